@@ -1,0 +1,38 @@
+# `make repro` and `make test` work on a fresh clone: the first use creates .venv and installs
+# the project; later uses reinstall only when pyproject.toml changed.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: help setup repro test ui lint bench
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	@echo "installing the project into $(VENV) (first time: a few minutes)"
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install the project (only when pyproject.toml changed)
+
+repro: setup ## run the whole pipeline: prepare, train, evaluate, export
+	dvc repro
+
+test: setup ## run the test suite
+	$(PY) -m pytest
+
+ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000
+	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+
+lint: setup ## ruff
+	ruff check stages tests
+
+bench: setup ## the loop ablation benchmark, side by side
+	$(PY) -m stages.bench

@@ -1,0 +1,265 @@
+"""One typed schema for params.yaml, validated once at stage start.
+
+OmegaConf reads the YAML (PyYAML would read `1e-3` as a string) and builds the dataclasses;
+before that, `_check` walks the raw YAML against the schema so that a typo, a wrong type or a
+quoted number fails naming the key, instead of being silently coerced or ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from omegaconf import OmegaConf
+
+SOURCES = ("digits",)  # folder and torchvision datasets: see the bring-your-own-data issue
+ARCHS = ("cnn", "resnet18")
+
+
+class ParamsError(ValueError):
+    """A params.yaml problem; the message names the key and says how to fix it."""
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ParamsError(f"params.yaml: {key}={value!r} is invalid: {rule}")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    _require(value in choices, key, value, f"choose one of {', '.join(map(str, choices))}")
+
+
+@dataclass
+class DataConfig:
+    source: str = "digits"
+    root: str = "data/raw"
+    image_size: int = 16
+    channels: int = 1
+    val_fraction: float = 0.1
+    test_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, SOURCES)
+        _require(4 <= self.image_size <= 1024, "data.image_size", self.image_size, "must be 4..1024")
+        _choice("data.channels", self.channels, (1, 3))
+        for k in ("val_fraction", "test_fraction"):
+            v = getattr(self, k)
+            _require(0 < v < 1, f"data.{k}", v, "must be in (0, 1)")
+        _require(self.val_fraction + self.test_fraction < 1, "data.val_fraction + data.test_fraction",
+                 self.val_fraction + self.test_fraction, "must leave training data (sum < 1)")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "cnn"
+    width: int = 32
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice("model.arch", self.arch, ARCHS)
+        _require(self.width >= 1, "model.width", self.width, "must be >= 1")
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    device: str = "auto"
+    precision: str = "auto"
+    loader: str = "auto"
+    num_workers: Union[int, str] = "auto"  # noqa: UP007 (OmegaConf 2.3 reads typing.Union only)
+    device_data_budget_mb: int = 1024
+    channels_last: bool = True
+    compile: Union[bool, str] = False  # noqa: UP007
+    optimizer: str = "adamw"
+    weight_decay: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = True
+    accumulate: int = 1
+    clip_grad_norm: float = 1.0
+    schedule: str = "cosine"
+    warmup_epochs: float = 1.0
+    min_lr: float = 0.0
+    step_epochs: int = 10
+    step_gamma: float = 0.1
+    plateau_patience: int = 2
+    plateau_factor: float = 0.5
+    label_smoothing: float = 0.0
+    ema: bool = False
+    ema_decay: float = 0.999
+    early_stopping_patience: int = 0
+    overfit_batches: int = 0
+    augment_crop_pad: int = 1
+    augment_hflip: bool = False
+    log_every: int = 50
+    deterministic: bool = True
+    resume: str = "auto"
+    checkpoint_dir: str = ".checkpoints"
+
+    def __post_init__(self) -> None:
+        _choice("train.device", self.device.split(":")[0], ("auto", "cpu", "cuda", "mps"))
+        _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _choice("train.loader", self.loader, ("auto", "device", "dataloader"))
+        _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
+                 and self.num_workers >= 0), "train.num_workers", self.num_workers,
+                 "use auto or an integer >= 0")
+        _require(self.compile in (True, False, "default", "reduce-overhead", "max-autotune",
+                                  "max-autotune-no-cudagraphs"), "train.compile", self.compile,
+                 "use false, true or a torch.compile mode such as max-autotune")
+        _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("train.schedule", self.schedule, ("cosine", "step", "plateau", "constant"))
+        _choice("train.resume", self.resume, ("auto", "never"))
+        _require(self.accumulate >= 1, "train.accumulate", self.accumulate, "must be >= 1")
+        for k in ("weight_decay", "clip_grad_norm", "warmup_epochs", "min_lr", "early_stopping_patience",
+                  "overfit_batches", "augment_crop_pad", "device_data_budget_mb"):
+            _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0 (0 turns it off)")
+        for k in ("momentum", "label_smoothing", "ema_decay"):
+            _require(0 <= getattr(self, k) < 1, f"train.{k}", getattr(self, k), "must be in [0, 1)")
+        _require(0 < self.step_gamma <= 1, "train.step_gamma", self.step_gamma, "must be in (0, 1]")
+        _require(0 < self.plateau_factor < 1, "train.plateau_factor", self.plateau_factor,
+                 "must be in (0, 1)")
+        _require(self.step_epochs >= 1, "train.step_epochs", self.step_epochs, "must be >= 1")
+        _require(self.plateau_patience >= 1, "train.plateau_patience", self.plateau_patience,
+                 "must be >= 1")
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 512
+    misclassified_max: int = 36
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "must be >= 1")
+        _require(self.misclassified_max >= 0, "eval.misclassified_max", self.misclassified_max,
+                 "must be >= 0")
+
+
+@dataclass
+class ExportConfig:
+    opset: int = 18
+    check_batch_sizes: list[int] = field(default_factory=lambda: [1, 7])
+    atol: float = 1e-4
+    log_model: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.opset >= 17, "export.opset", self.opset, "must be >= 17")
+        _require(len(self.check_batch_sizes) >= 2 and len(set(self.check_batch_sizes)) >= 2
+                 and all(b >= 1 for b in self.check_batch_sizes), "export.check_batch_sizes",
+                 self.check_batch_sizes, "give at least two different batch sizes >= 1")
+        _require(self.atol > 0, "export.atol", self.atol, "must be > 0")
+
+
+@dataclass
+class MlflowConfig:
+    experiment: str = "reprotrain"
+    tracking_uri: str = ""  # empty: sqlite:///<repo root>/mlflow.db; MLFLOW_TRACKING_URI wins
+
+    def __post_init__(self) -> None:
+        _require(bool(self.experiment.strip()), "mlflow.experiment", self.experiment,
+                 "must be a non-empty name")
+
+
+@dataclass
+class Params:
+    seed: int = 42
+    lr: float = 3e-3
+    epochs: int = 30
+    batch_size: int = 64
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        _require(self.lr > 0, "lr", self.lr, "must be > 0 (try 3e-3 for adamw, 0.1 for sgd)")
+        _require(self.epochs >= 1, "epochs", self.epochs, "must be >= 1")
+        _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+
+
+def _accepts(tp: Any, value: Any) -> bool:
+    """Strict type check: no str->number coercion, no bool as int; an int is a valid float."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return any(_accepts(t, value) for t in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_accepts(item, v) for v in value)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    return " or ".join(_type_name(a) for a in args) if args and typing.get_origin(tp) is not list \
+        else getattr(tp, "__name__", str(tp))
+
+
+def _check(raw: dict, schema: type, prefix: str = "") -> None:
+    hints = typing.get_type_hints(schema)
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), hints, n=1)
+            hint = f"; did you mean {prefix}{close[0]!r}?" if close else \
+                f"; known keys: {', '.join(prefix + k for k in hints)}"
+            raise ParamsError(f"params.yaml: unknown key {name!r}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ParamsError(f"params.yaml: {name!r} must be a section (a mapping), "
+                                  f"got {value!r}")
+            _check(value, tp, f"{name}.")
+        elif not _accepts(tp, value):
+            quoted = " (remove the quotes)" if isinstance(value, str) and tp in (int, float) else ""
+            raise ParamsError(f"params.yaml: {name}={value!r} must be {_type_name(tp)}, "
+                              f"not {type(value).__name__}{quoted}")
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"{path}: not found; run from the repository root")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: must be a mapping of keys to values")
+    _check(raw, Params)
+    merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
+    return OmegaConf.to_object(merged)  # runs every __post_init__ range check
+
+
+def flatten(params: Params) -> dict[str, Any]:
+    """`train.lr`-style keys, one name per concept from YAML to MLflow."""
+    out: dict[str, Any] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(dataclasses.asdict(params), "")
+    return out
+
+
+def params_hash(values: dict[str, Any], *extra: str) -> str:
+    blob = json.dumps(values, sort_keys=True, default=str) + "".join(extra)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def repo_root() -> Path:
+    """The real workspace: DVC sets DVC_ROOT to it, also for --temp/--queue runs in a copy."""
+    return Path(os.environ.get("DVC_ROOT") or Path.cwd()).resolve()

@@ -1,0 +1,113 @@
+"""Stage export: models/train/ -> models/export/ (ONNX, torch.export .pt2, safetensors, model.json).
+
+Each format is checked against eager PyTorch on real test images at two batch sizes, since a
+"dynamic" batch dimension can silently come out fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages import tracking
+from stages.config import ParamsError, load_params
+from stages.data import load_split, normalize
+from stages.files import atomic_write, write_json
+from stages.models import load_trained
+
+PREPARED = Path("data/prepared")
+TRAIN = Path("models/train")
+OUT = Path("models/export")
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+    import onnx
+
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    atomic_write(path, lambda p: torch.onnx.export(
+        model, (example,), str(p), dynamo=True, opset_version=opset,
+        dynamic_shapes=({0: batch},), input_names=["image"], output_names=["logits"],
+        external_data=False, verbose=False))
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    atomic_write(path, lambda p: torch.export.save(program, str(p)))
+
+
+def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
+                batch_sizes: list[int], atol: float) -> dict:
+    """Max abs difference vs eager at each batch size; any argmax disagreement is an error."""
+    out = {}
+    for bs in batch_sizes:
+        x = images[:bs]
+        if len(x) < bs:
+            raise ValueError(f"export.check_batch_sizes: {bs} exceeds the {len(images)} test images")
+        with torch.no_grad():
+            want = model(x).numpy()
+        got = np.asarray(run(x))
+        diff = float(np.abs(got - want).max())
+        if got.shape != want.shape or diff > atol or (got.argmax(1) != want.argmax(1)).any():
+            raise RuntimeError(f"{name} disagrees with eager PyTorch at batch {bs}: max abs diff "
+                               f"{diff:.2e} (export.atol {atol}), shape {got.shape}")
+        out[f"{name}_max_abs_diff_b{bs}"] = diff
+    return out
+
+
+def main() -> None:
+    params = load_params()
+    cfg = params.export
+    model, ckpt = load_trained(TRAIN / "model.pt")
+    test = load_split(PREPARED, "test")
+    images = normalize(test.x[:max(cfg.check_batch_sizes)], torch.tensor(ckpt["mean"]),
+                       torch.tensor(ckpt["std"]))
+    example = images[:2]  # batch > 1, or the exporters specialize the batch dimension to 1
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    from safetensors.torch import save_file
+
+    atomic_write(OUT / "model.safetensors",
+                 lambda p: save_file({k: v.contiguous() for k, v in model.state_dict().items()}, p))
+    export_onnx(model, example, OUT / "model.onnx", cfg.opset)
+    export_pt2(model, example, OUT / "model.pt2")
+
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(OUT / "model.onnx"), providers=["CPUExecutionProvider"])
+    program = torch.export.load(str(OUT / "model.pt2")).module()
+    checks = check_close("onnx", lambda x: session.run(None, {"image": x.numpy()})[0], model,
+                         images, cfg.check_batch_sizes, cfg.atol)
+    checks |= check_close("pt2", lambda x: program(x).detach().numpy(), model, images,
+                          cfg.check_batch_sizes, cfg.atol)
+
+    write_json(OUT / "model.json", {
+        "arch": ckpt["model_params"]["arch"], "model_params": ckpt["model_params"],
+        "classes": ckpt["classes"], "mean": ckpt["mean"], "std": ckpt["std"],
+        "input_shape": [ckpt["channels"], ckpt["image_size"], ckpt["image_size"]],
+        "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
+        "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
+        "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
+        "run_id": ckpt["run_id"],
+    })
+
+    run_id = json.loads((TRAIN / "run.json").read_text())["run_id"]
+    with tracking.reopen_run(params.mlflow, run_id) as run:
+        for name in ("model.onnx", "model.json", "model.safetensors"):
+            run.log_artifact(OUT / name, "export")
+        if cfg.log_model:
+            run.log_pytorch_model(model, example.numpy())
+    print(f"exported ONNX, .pt2 and safetensors to {OUT}; eager vs exported within "
+          f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ParamsError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")

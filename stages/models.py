@@ -1,0 +1,64 @@
+"""Model builders: `build_model(cfg, channels, num_classes)` for every `model.arch`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stages.config import ARCHS, ModelConfig
+
+
+def _block(c_in: int, c_out: int) -> nn.Sequential:
+    # bias=False: the BatchNorm right after has its own shift.
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                         nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+
+def small_cnn(channels: int, num_classes: int, width: int, dropout: float) -> nn.Module:
+    """A VGG-style CNN for small images (8 to 64 px): two pooled stages, global average pool."""
+    w = width
+    return nn.Sequential(
+        _block(channels, w), _block(w, w), nn.MaxPool2d(2),
+        _block(w, 2 * w), _block(2 * w, 2 * w), nn.MaxPool2d(2),
+        _block(2 * w, 4 * w),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * w, num_classes),
+    )
+
+
+def small_resnet18(channels: int, num_classes: int, dropout: float) -> nn.Module:
+    """torchvision's resnet18 for small inputs: a 3x3 stride-1 stem and no max-pool, as for CIFAR."""
+    from torchvision.models import resnet18
+
+    m = resnet18(num_classes=num_classes)
+    m.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+    m.maxpool = nn.Identity()
+    m.fc = nn.Sequential(nn.Dropout(dropout), m.fc)
+    return m
+
+
+def build_model(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
+    if cfg.arch == "cnn":
+        return small_cnn(channels, num_classes, cfg.width, cfg.dropout)
+    if cfg.arch == "resnet18":
+        return small_resnet18(channels, num_classes, cfg.dropout)
+    raise ValueError(f"unknown model.arch {cfg.arch!r}; choose from {sorted(ARCHS)}")
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def load_checkpoint(path, map_location: str | torch.device = "cpu") -> dict:
+    """weights_only=True: a checkpoint is data; a pickle that runs code is refused, no fallback."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; run `dvc repro train` first") from None
+
+
+def load_trained(path) -> tuple[nn.Module, dict]:
+    """The model saved by the train stage, rebuilt from the params stored with it, in eval mode."""
+    ckpt = load_checkpoint(path)
+    model = build_model(ModelConfig(**ckpt["model_params"]), ckpt["channels"], len(ckpt["classes"]))
+    model.load_state_dict(ckpt["model"])
+    return model.eval(), ckpt

@@ -1,0 +1,91 @@
+"""Classification metrics and the pictures of them: computed once, written to DVC and MLflow."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stages.files import atomic_write, write_text
+
+
+def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> dict:
+    from sklearn.metrics import f1_score, precision_recall_fscore_support
+
+    pred = logits.argmax(1).numpy()
+    true = y.numpy()
+    labels = list(range(len(classes)))
+    p, r, f, s = precision_recall_fscore_support(true, pred, labels=labels, zero_division=0)
+    return {
+        "accuracy": float((pred == true).mean()),
+        "loss": F.cross_entropy(logits, y).item(),
+        "macro_f1": float(f1_score(true, pred, labels=labels, average="macro", zero_division=0)),
+        "n": int(len(true)),
+        "per_class": {c: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]),
+                          "support": int(s[i])} for i, c in enumerate(classes)},
+    }
+
+
+def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
+    """One row per test sample (actual, predicted), the shape DVC's confusion template reads."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["actual", "predicted"])
+    w.writerows((classes[a], classes[b]) for a, b in zip(y.tolist(), pred.tolist(), strict=True))
+    write_text(path, buf.getvalue())
+
+
+def _save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100, bbox_inches="tight"))
+    plt.close(fig)
+
+
+def plot_confusion(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(classes)
+    m = np.zeros((k, k), dtype=int)
+    np.add.at(m, (y.numpy(), pred.numpy()), 1)
+    fig, ax = plt.subplots(figsize=(1 + 0.5 * k, 1 + 0.5 * k))
+    ax.imshow(m, cmap="Blues")
+    for i in range(k):
+        for j in range(k):
+            if m[i, j]:
+                ax.text(j, i, m[i, j], ha="center", va="center", fontsize=8,
+                        color="white" if m[i, j] > m.max() / 2 else "black")
+    ax.set(xticks=range(k), yticks=range(k), xticklabels=classes, yticklabels=classes,
+           xlabel="predicted", ylabel="actual", title=f"confusion ({int(m.trace())}/{m.sum()} right)")
+    _save_figure(fig, path)
+
+
+def plot_misclassified(path: Path, x: Tensor, y: Tensor, pred: Tensor, classes: list[str],
+                       limit: int) -> None:
+    """A grid of wrongly classified test images, titled actual -> predicted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wrong = torch.nonzero(pred != y).flatten()[:limit].tolist()
+    cols = max(1, min(6, len(wrong)))
+    rows = max(1, -(-len(wrong) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, i in zip(axes.flat, wrong, strict=False):
+        img = x[i].permute(1, 2, 0).numpy()
+        ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray", vmin=0, vmax=255)
+        ax.set_title(f"{classes[y[i]]} -> {classes[pred[i]]}", fontsize=8)
+    if not wrong:
+        axes.flat[0].text(0.5, 0.5, "no misclassified images", ha="center", va="center")
+    _save_figure(fig, path)

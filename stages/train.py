@@ -1,0 +1,106 @@
+"""Stage train: data/prepared/ -> models/train/ (model.pt, metrics.json, history.csv, run.json)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from stages import tracking
+from stages.config import ParamsError, flatten, load_params, params_hash, repo_root
+from stages.data import load_meta, load_split
+from stages.files import atomic_write, write_json, write_text
+from stages.loop import NonFiniteLossError, latest_checkpoint, train
+from stages.models import build_model, count_params
+
+PREPARED = Path("data/prepared")
+OUT = Path("models/train")
+# What decides the trained weights; the checkpoint folder is keyed by it, so a changed
+# hyperparameter starts afresh and an unchanged one resumes.
+TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
+
+
+def main() -> None:
+    params = load_params()
+    meta = load_meta(PREPARED)
+    train_split, val_split = load_split(PREPARED, "train"), load_split(PREPARED, "val")
+
+    torch.manual_seed(params.seed)
+    model = build_model(params.model, meta["channels"], len(meta["classes"]))
+
+    decisive = {k: v for k, v in flatten(params).items() if k.startswith(TRAINING_KEYS)
+                and k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
+    key = params_hash(decisive, meta["sha256"])
+    ckpt_dir = repo_root() / params.train.checkpoint_dir / key
+    resume = latest_checkpoint(ckpt_dir) if params.train.resume == "auto" else None
+    if params.train.resume == "never":
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "params_hash": key, "data_sha256": meta["sha256"], "host": platform.node()}
+    with tracking.start_run(params.mlflow, run_id=resume and resume.get("run_id"),
+                            tags=tags) as run:
+        if resume is None:
+            run.log_params(flatten(params))
+        try:
+            result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
+                           lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
+                           seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
+                           extra_state={"run_id": run.run_id})
+        except torch.OutOfMemoryError as e:
+            raise SystemExit(f"error: out of memory in training ({e}). Lower batch_size, or "
+                             "keep the effective batch with a larger train.accumulate.") from e
+        run.set_tags({"device": result.device, "precision": result.precision,
+                      "loader": result.loader})
+
+        # The checkpoint describes itself: weights of the uncompiled module plus all it takes
+        # to rebuild and feed the model.
+        checkpoint = {"model": result.model.state_dict(),
+                      "model_params": dataclasses.asdict(params.model),
+                      "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
+                      "channels": meta["channels"], "image_size": meta["image_size"],
+                      "best_epoch": result.best_epoch, "run_id": run.run_id}
+        atomic_write(OUT / "model.pt", lambda p: torch.save(checkpoint, p))
+        metrics = {
+            "best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
+            "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
+            "train_s": round(result.train_s, 2),
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in result.history),
+            "params": count_params(result.model),
+        }
+        write_json(OUT / "metrics.json", metrics)
+        write_text(OUT / "history.csv", _csv(result.history))
+        write_json(OUT / "run.json", {"run_id": run.run_id, "tracking_uri": run.uri,
+                                      "device": result.device, "precision": result.precision})
+        run.log_metrics({k: float(v) for k, v in metrics.items()})
+        for name in ("metrics.json", "history.csv"):
+            run.log_artifact(OUT / name, "train")
+
+    shutil.rmtree(ckpt_dir, ignore_errors=True)  # complete: model.pt holds the result
+    print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
+          f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
+          f"{result.best_epoch}, {result.train_s:.1f}s")
+
+
+def _csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ParamsError, FileNotFoundError, NonFiniteLossError) as e:
+        sys.exit(f"error: {e}")
