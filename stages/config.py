@@ -213,7 +213,7 @@ def _check(raw: dict, schema: type, prefix: str = "") -> None:
         name = f"{prefix}{key}"
         if key not in hints:
             close = difflib.get_close_matches(str(key), hints, n=1)
-            hint = f"; did you mean {prefix}{close[0]!r}?" if close else \
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else \
                 f"; known keys: {', '.join(prefix + k for k in hints)}"
             raise ParamsError(f"params.yaml: unknown key {name!r}{hint}")
         tp = hints[key]

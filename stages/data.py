@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.config import DataConfig
-from stages.files import atomic_write, write_json
+from stages.files import save_torch, write_json
 
 SPLITS = ("train", "val", "test")
 
@@ -86,7 +86,7 @@ def build_meta(splits: dict[str, Split], classes: list[str], cfg: DataConfig) ->
 
 def save_prepared(out: Path, splits: dict[str, Split], meta: dict) -> None:
     for name, s in splits.items():
-        atomic_write(out / f"{name}.pt", lambda p, s=s: torch.save({"x": s.x, "y": s.y}, p))
+        save_torch(out / f"{name}.pt", {"x": s.x, "y": s.y})
     write_json(out / "meta.json", meta)
 
 

@@ -14,8 +14,12 @@ from stages.data import load_split
 from stages.files import write_json
 from stages.loop import predict, resolve_device
 from stages.models import load_trained
-from stages.report import (classification_metrics, plot_confusion, plot_misclassified,
-                           write_confusion_csv)
+from stages.report import (
+    classification_metrics,
+    plot_confusion,
+    plot_misclassified,
+    write_confusion_csv,
+)
 
 PREPARED = Path("data/prepared")
 TRAIN = Path("models/train")
@@ -34,9 +38,10 @@ def main() -> None:
                      torch.tensor(ckpt["std"], device=device), device=device,
                      batch_size=params.eval.batch_size)
     pred = logits.argmax(1)
-    metrics = classification_metrics(logits, test.y, classes)
+    metrics, per_class = classification_metrics(logits, test.y, classes)
 
     write_json(OUT / "metrics.json", metrics)
+    write_json(OUT / "per_class.json", per_class)
     write_confusion_csv(OUT / "confusion.csv", test.y, pred, classes)
     plot_confusion(OUT / "confusion.png", test.y, pred, classes)
     plot_misclassified(OUT / "misclassified.png", test.x, test.y, pred, classes,
@@ -44,11 +49,12 @@ def main() -> None:
 
     run_id = json.loads((TRAIN / "run.json").read_text())["run_id"]
     with tracking.reopen_run(params.mlflow, run_id) as run:
-        flat = {f"eval.{k}": v for k, v in metrics.items() if k != "per_class"}
-        flat.update({f"eval.{c}.{m}": v for c, d in metrics["per_class"].items()
+        flat = {f"eval.{k}": v for k, v in metrics.items()}
+        flat.update({f"eval.{c}.{m}": v for c, d in per_class.items()
                      for m, v in d.items() if m != "support"})
         run.log_metrics(flat)
-        for name in ("metrics.json", "confusion.csv", "confusion.png", "misclassified.png"):
+        for name in ("metrics.json", "per_class.json", "confusion.csv", "confusion.png",
+                     "misclassified.png"):
             run.log_artifact(OUT / name, "eval")
     print(f"test accuracy {metrics['accuracy']:.4f}, macro_f1 {metrics['macro_f1']:.4f}, "
           f"loss {metrics['loss']:.4f} on {metrics['n']} images")

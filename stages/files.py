@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so rename is atomic)."""
@@ -37,3 +39,14 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def save_torch(path: str | Path, obj: Any) -> Path:
+    """torch.save, atomically. Through a file object: given a path, torch names the archive's
+    inner folder after the (random) temp file, and identical data would hash differently."""
+
+    def write(p: Path) -> None:
+        with open(p, "wb") as f:
+            torch.save(obj, f)
+
+    return atomic_write(path, write)

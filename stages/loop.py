@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from stages.config import TrainConfig
 from stages.data import EpochSampler, IndexedDataset, Split, augment, epoch_order, normalize
-from stages.files import atomic_write, write_text
+from stages.files import save_torch, write_text
 
 Log = Callable[[dict[str, float], int], None]
 
@@ -134,7 +134,7 @@ def _sha256(path: Path) -> str:
 def save_checkpoint(state: dict, ckpt_dir: Path, epoch: int, keep: int = 2) -> Path:
     """Atomic (temp file, then rename) with a checksum beside it; the last `keep` are kept."""
     path = ckpt_dir / f"epoch-{epoch:04d}.pt"
-    atomic_write(path, lambda p: torch.save(state, p))
+    save_torch(path, state)
     # The checksum is written last: a checkpoint without one was never finished.
     write_text(path.with_suffix(".sha256"), _sha256(path) + "\n")
     for old in sorted(ckpt_dir.glob("epoch-*.pt"))[:-keep]:

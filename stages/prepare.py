@@ -6,7 +6,15 @@ import sys
 from pathlib import Path
 
 from stages.config import ParamsError, load_params
-from stages.data import SPLITS, Split, build_meta, load_digits, resize, save_prepared, stratified_split
+from stages.data import (
+    SPLITS,
+    Split,
+    build_meta,
+    load_digits,
+    resize,
+    save_prepared,
+    stratified_split,
+)
 
 OUT = Path("data/prepared")
 

@@ -14,21 +14,23 @@ from torch import Tensor
 from stages.files import atomic_write, write_text
 
 
-def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> dict:
+def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tuple[dict, dict]:
+    """(summary, per class): the summary goes to `dvc exp show`, both go to MLflow."""
     from sklearn.metrics import f1_score, precision_recall_fscore_support
 
     pred = logits.argmax(1).numpy()
     true = y.numpy()
     labels = list(range(len(classes)))
     p, r, f, s = precision_recall_fscore_support(true, pred, labels=labels, zero_division=0)
-    return {
+    summary = {
         "accuracy": float((pred == true).mean()),
         "loss": F.cross_entropy(logits, y).item(),
         "macro_f1": float(f1_score(true, pred, labels=labels, average="macro", zero_division=0)),
         "n": int(len(true)),
-        "per_class": {c: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]),
-                          "support": int(s[i])} for i, c in enumerate(classes)},
     }
+    per_class = {c: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]),
+                     "support": int(s[i])} for i, c in enumerate(classes)}
+    return summary, per_class
 
 
 def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:

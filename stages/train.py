@@ -17,7 +17,7 @@ import torch
 from stages import tracking
 from stages.config import ParamsError, flatten, load_params, params_hash, repo_root
 from stages.data import load_meta, load_split
-from stages.files import atomic_write, write_json, write_text
+from stages.files import save_torch, write_json, write_text
 from stages.loop import NonFiniteLossError, latest_checkpoint, train
 from stages.models import build_model, count_params
 
@@ -69,13 +69,13 @@ def main() -> None:
                       "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
                       "channels": meta["channels"], "image_size": meta["image_size"],
                       "best_epoch": result.best_epoch, "run_id": run.run_id}
-        atomic_write(OUT / "model.pt", lambda p: torch.save(checkpoint, p))
+        save_torch(OUT / "model.pt", checkpoint)
         metrics = {
             "best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
             "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
             "train_s": round(result.train_s, 2),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in result.history),
-            "params": count_params(result.model),
+            "num_params": count_params(result.model),
         }
         write_json(OUT / "metrics.json", metrics)
         write_text(OUT / "history.csv", _csv(result.history))

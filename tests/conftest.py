@@ -1,0 +1,104 @@
+"""Shared fixtures: real digits, a real sqlite MLflow store made once, a real copy of the repo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.config import DataConfig
+from stages.data import SPLITS, Split, build_meta, load_digits, resize, stratified_split
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+GIT_ID = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
+          "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.com"}
+
+
+@pytest.fixture(scope="session")
+def digits() -> tuple[dict[str, Split], dict]:
+    cfg = DataConfig()
+    x, y, classes = load_digits()
+    x = resize(x, cfg.image_size, cfg.channels)
+    parts = stratified_split(y, cfg.val_fraction, cfg.test_fraction, seed=0)
+    splits = {k: Split(x[parts[k]], y[parts[k]]) for k in SPLITS}
+    return splits, build_meta(splits, classes, cfg)
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One sqlite store for the session: creating one runs migrations (~6 s)."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.search_experiments()
+    return uri
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(GIT_ID)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True,
+        timeout: float = 600) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=cwd, env=env or env_with(), capture_output=True, text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n"
+                             f"{p.stderr[-5000:]}")
+    return p
+
+
+def copy_repo(dest: Path, params_edit: dict[str, str] | None = None) -> Path:
+    """The tracked files of this repo in a fresh git repository, as a clone would have them."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file() and not f.startswith("tests/"):
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    if params_edit:
+        set_params(dest / "params.yaml", params_edit)
+    run(["git", "init", "-q", "-b", "main"], dest)
+    run(["git", "add", "-A"], dest)
+    run(["git", "commit", "-qm", "init"], dest)
+    return dest
+
+
+def set_params(path: Path, values: dict[str, str]) -> None:
+    """Edit params.yaml as a user would, keeping its comments: `section.key: value` lines."""
+    lines = path.read_text().splitlines()
+    for dotted, value in values.items():
+        section, _, key = dotted.rpartition(".")
+        current = None
+        for i, line in enumerate(lines):
+            if line and not line.startswith((" ", "#")):
+                current = line.split(":")[0]
+            name = line.strip().split(":")[0]
+            if name == key and (current == section if section else not line.startswith(" ")):
+                indent = line[: len(line) - len(line.lstrip())]
+                lines[i] = f"{indent}{key}: {value}"
+                break
+        else:
+            raise KeyError(dotted)
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def tiny_train_cfg():
+    from stages.config import TrainConfig
+
+    return TrainConfig(warmup_epochs=0.5, log_every=1000)
+
+
+torch.set_num_threads(min(2, torch.get_num_threads()))

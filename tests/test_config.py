@@ -1,0 +1,86 @@
+"""params.yaml validation: bad input fails naming the key and the fix, before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stages.config import Params, ParamsError, flatten, load_params
+from tests.conftest import ROOT
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_repo_params_load_and_cover_the_whole_schema():
+    params = load_params(ROOT / "params.yaml")
+    assert isinstance(params, Params)
+    # Every schema key is spelled out in params.yaml, so users see (and `-S` can set) all of them.
+    from omegaconf import OmegaConf
+
+    def keys(d, prefix=""):
+        out = set()
+        for k, v in d.items():
+            out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
+        return out
+
+    raw = OmegaConf.to_container(OmegaConf.load(ROOT / "params.yaml"))
+    assert keys(raw) == set(flatten(Params()))
+
+
+def test_top_level_keys_that_dvc_exp_run_S_needs():
+    params = load_params(ROOT / "params.yaml")
+    for key in ("seed", "lr", "epochs", "batch_size"):
+        assert key in flatten(params)
+
+
+def test_scientific_notation_is_a_float(tmp_path):
+    assert load_params(write(tmp_path, "lr: 1e-3\n")).lr == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("lrr: 0.1\n", "did you mean 'lr'"),
+    ("train:\n  warmup_epoch: 1\n", "did you mean 'train.warmup_epochs'"),
+    ("trian:\n  lr: 1\n", "did you mean 'train'"),
+    ("lr: '1e-3'\n", "lr='1e-3' must be float, not str (remove the quotes)"),
+    ("epochs: 2.5\n", "epochs=2.5 must be int"),
+    ("train:\n  ema: 1\n", "train.ema=1 must be bool"),
+    ("lr: -0.1\n", "lr=-0.1 is invalid: must be > 0"),
+    ("lr: 0\n", "lr=0"),
+    ("epochs: 0\n", "epochs=0 is invalid: must be >= 1"),
+    ("data:\n  val_fraction: 1.5\n", "data.val_fraction=1.5 is invalid: must be in (0, 1)"),
+    ("data:\n  test_fraction: 0\n", "data.test_fraction=0"),
+    ("data:\n  val_fraction: 0.5\n  test_fraction: 0.5\n", "must leave training data"),
+    ("model:\n  arch: vgg99\n", "model.arch='vgg99' is invalid: choose one of cnn, resnet18"),
+    ("data:\n  source: imagenet\n", "data.source='imagenet' is invalid"),
+    ("train:\n  precision: fp8\n", "train.precision='fp8'"),
+    ("train:\n  compile: fast\n", "train.compile='fast'"),
+    ("train: 3\n", "'train' must be a section"),
+])
+def test_bad_params_fail_naming_the_key(tmp_path, text, expected):
+    with pytest.raises(ParamsError) as err:
+        load_params(write(tmp_path, text))
+    assert expected in str(err.value)
+    assert "params.yaml" in str(err.value)
+
+
+def test_union_fields_accept_each_form(tmp_path):
+    p = load_params(write(tmp_path, "train:\n  compile: max-autotune\n  num_workers: 3\n"))
+    assert p.train.compile == "max-autotune" and p.train.num_workers == 3
+    assert load_params(write(tmp_path, "train:\n  compile: true\n")).train.compile is True
+
+
+def test_missing_file_says_where_to_run(tmp_path):
+    with pytest.raises(ParamsError, match="not found; run from the repository root"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_flatten_names_match_yaml():
+    flat = flatten(Params())
+    assert flat["train.warmup_epochs"] == Params().train.warmup_epochs
+    assert flat["lr"] == Params().lr
+    assert all(not dataclasses.is_dataclass(v) for v in flat.values())

@@ -1,0 +1,82 @@
+"""prepare and the data path: deterministic splits, honest statistics, index-keyed augmentation."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from stages.data import SPLITS, augment, epoch_order, load_split, stratified_split
+from tests.conftest import ROOT, run, set_params
+
+
+def _prepare(tmp_path, **params):
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    set_params(tmp_path / "params.yaml", params)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run([sys.executable, "-m", "stages.prepare"], tmp_path, env=env)
+    return json.loads((tmp_path / "data/prepared/meta.json").read_text())
+
+
+def test_prepare_is_deterministic_and_seeded(tmp_path):
+    a, b, c = (tmp_path / n for n in "abc")
+    for d in (a, b, c):
+        d.mkdir()
+    meta_a = _prepare(a, seed="7")
+    meta_b = _prepare(b, seed="7")
+    meta_c = _prepare(c, seed="8")
+    assert meta_a == meta_b
+    for name in SPLITS:
+        assert (a / f"data/prepared/{name}.pt").read_bytes() == (b / f"data/prepared/{name}.pt").read_bytes()
+    assert meta_c["sha256"] != meta_a["sha256"]  # another seed, another split
+
+    # The whole real dataset, disjoint splits, every class in every split in proportion.
+    assert meta_a["sizes"] == {"train": 1257, "val": 180, "test": 360}
+    assert sum(meta_a["sizes"].values()) == 1797
+    for split, counts in meta_a["counts"].items():
+        share = meta_a["sizes"][split] / 1797
+        for n in counts.values():
+            assert abs(n - 180 * share) <= 2 + 0.1 * 180 * share
+    train = load_split(a / "data/prepared", "train")
+    assert train.x.dtype == torch.uint8 and tuple(train.x.shape[1:]) == (1, 16, 16)
+    # Statistics from the train split alone.
+    assert abs(meta_a["mean"][0] - train.x.float().div(255).mean().item()) < 1e-6
+    assert meta_a["classes"] == [str(i) for i in range(10)]
+
+
+def test_split_indices_are_disjoint():
+    y = torch.arange(200) % 4
+    parts = stratified_split(y, 0.1, 0.2, seed=1)
+    all_idx = torch.cat(list(parts.values()))
+    assert len(all_idx) == 200 and len(set(all_idx.tolist())) == 200
+
+
+def test_augmentation_depends_on_the_sample_not_the_batch(digits):
+    splits, _ = digits
+    x = splits["train"].x[:64]
+    idx = torch.arange(64)
+    full = augment(x, idx, seed=1, epoch=3, pad=2, hflip=True)
+    # The same samples drawn in another order and batch composition get the same crops.
+    perm = torch.randperm(64)
+    part = augment(x[perm[:10]], idx[perm[:10]], seed=1, epoch=3, pad=2, hflip=True)
+    assert torch.equal(part, full[perm[:10]])
+    # Another epoch, other crops; shapes and dtype kept; pixels come from the image or padding.
+    other = augment(x, idx, seed=1, epoch=4, pad=2, hflip=True)
+    assert not torch.equal(other, full)
+    assert full.shape == x.shape and full.dtype == torch.uint8
+    assert full.sum() <= x.sum()
+
+
+def test_crop_without_padding_is_identity(digits):
+    splits, _ = digits
+    x = splits["train"].x[:8]
+    assert torch.equal(augment(x, torch.arange(8), 0, 0, pad=0, hflip=False), x)
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
+    assert torch.equal(epoch_order(100, 3, 5), epoch_order(100, 3, 5))
+    assert not torch.equal(epoch_order(100, 3, 5), epoch_order(100, 3, 6))
+    assert sorted(epoch_order(100, 3, 5).tolist()) == list(range(100))
