@@ -89,6 +89,17 @@ def resolve_workers(cfg: TrainConfig) -> int:
     return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
+def seed_worker(worker_id: int) -> None:
+    """numpy and random in a worker from the seed torch derived for it (base seed + worker id)."""
+    import random
+
+    import numpy as np
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 # ---------------------------------------------------------------- schedule and optimizer
 
 
@@ -115,8 +126,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float,
     # Fused kernels on CUDA update every parameter in one launch; elsewhere foreach (the default).
     fused = True if device.type == "cuda" else None
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               fused=fused)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov and cfg.momentum > 0, fused=fused)
     return torch.optim.AdamW(groups, lr=lr, fused=fused)
 
 
@@ -210,8 +221,11 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
           std: list[float], cfg: TrainConfig, *, lr: float, epochs: int, batch_size: int,
           seed: int, log: Log = no_log, ckpt_dir: Path | None = None,
           resume: dict | None = None, extra_state: dict | None = None,
-          progress: bool | None = None) -> TrainResult:
-    """Train `model` in place; returns it with the best weights by validation accuracy."""
+          progress: bool | None = None, verbose: bool = True) -> TrainResult:
+    """Train `model` in place; returns it with the best weights by validation accuracy.
+
+    `progress`: the tqdm bar (default: when stderr is a terminal); `verbose`: a line per epoch.
+    """
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     loader = resolve_loader(cfg, [train_split, val_split])
@@ -222,6 +236,9 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # warn_only: a CUDA op without a deterministic kernel warns instead of killing the run.
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # ...but not its NaN-filling of every torch.empty, a debugging aid: 10% of a CPU step
+        # here (profiled), and no kernel we use reads memory it did not write.
+        torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True
     # cudnn.benchmark picks the fastest conv algorithm per shape, but that choice is not repeatable.
     torch.backends.cudnn.benchmark = not cfg.deterministic
@@ -278,7 +295,10 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             pin_memory=device.type == "cuda",
             # Workers stay alive across epochs instead of being forked again every epoch.
             persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-            drop_last=sum(sizes) < n)
+            drop_last=sum(sizes) < n,
+            # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
+            # each epoch, which shifts the dropout masks away from the device path's.
+            generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker)
 
     def micro_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         if loader == "device":
@@ -416,10 +436,11 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
                "peak_mem_mb": _peak_mem_mb(device)}
         history.append(row)
         log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1)
-        print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} "
-              f"train_acc {row['train_acc']:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} "
-              f"lr {step_lr:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
-              file=sys.stderr, flush=True)
+        if verbose:
+            print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} "
+                  f"train_acc {row['train_acc']:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} "
+                  f"lr {step_lr:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
+                  file=sys.stderr, flush=True)
 
         # Best by validation accuracy, ties broken by lower validation loss.
         score = (val_acc, -val_loss)

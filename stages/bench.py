@@ -1,0 +1,266 @@
+"""python -m stages.bench: the loop-optimization table, measured side by side on this machine.
+
+Every row is the repo's own `train()` with some switches changed, on the same model, the same
+initial weights, the same batch size and the same number of steps. Rounds are interleaved
+(A B C ... A B C ...) so that a noisy neighbour slows every row alike; each round trains two
+epochs and times the second, so worker start-up and compilation stay out of the steady-state
+figure (compilation is reported in its own column). One warm-up round is discarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import dataclasses
+import datetime
+import platform
+import statistics
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from stages.config import TrainConfig, load_params
+from stages.data import Split, build_meta, load_digits, resize, stratified_split
+from stages.files import atomic_write, write_json, write_text
+from stages.loop import resolve_device, resolve_precision, train
+from stages.models import build_model
+
+# The article's rows. `standard` is a textbook loop: DataLoader in the main process, fp32,
+# NCHW, a .item() sync every step, no clipping.
+STANDARD = dict(loader="dataloader", num_workers=0, precision="fp32", channels_last=False,
+                compile=False, log_every=1, clip_grad_norm=0.0, accumulate=1, ema=False)
+ROWS: dict[str, tuple[dict, int]] = {  # name: (train overrides, batch-size multiplier)
+    "standard": (STANDARD, 1),
+    "grad_accum": ({**STANDARD, "accumulate": 4}, 1),
+    "amp": ({**STANDARD, "precision": "auto"}, 1),
+    "pinned_workers": ({**STANDARD, "num_workers": "auto"}, 1),
+    "optimized": ({}, 1),  # the repo's default fast path: params.yaml's train section
+    "optimized_batch4x": ({}, 4),
+    "optimized_compile": ({"compile": True}, 1),
+}
+QUICK_SKIPS = ("optimized_compile",)  # compiling takes 20-50 s on 2 CPU cores
+
+
+class PeakRSS:
+    """Peak resident memory above the starting level, sampled every 2 ms (the CPU's measure).
+
+    glibc keeps freed memory for reuse, so the previous row's peak would hide this one's:
+    malloc_trim hands it back to the OS first, and the increase is this row's working set."""
+
+    def __init__(self):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: the figure is then a lower bound
+            pass
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def datasets(names: list[str], n: int, synthetic_size: int, seed: int) -> dict:
+    """name -> (train split, val split, mean, std, channels): real digits and CIFAR-sized noise."""
+    out = {}
+    g = torch.Generator().manual_seed(seed)
+    if "digits" in names:
+        x, y, _ = load_digits()
+        x = resize(x, 16, 1)
+        idx = torch.randint(len(y), (n,), generator=g)  # repeated to fill the step count
+        parts = stratified_split(y, 0.1, 0.2, seed)
+        tr = Split(x[idx], y[idx])
+        val = Split(x[parts["val"]][:64], y[parts["val"]][:64])
+        meta = build_meta({"train": tr, "val": val, "test": val}, [str(i) for i in range(10)],
+                          dataclasses.replace(load_params().data, image_size=16, channels=1))
+        out["digits"] = (tr, val, meta["mean"], meta["std"], 1)
+    if "cifar" in names:
+        s = synthetic_size
+        x = torch.randint(0, 256, (n + 64, 3, s, s), dtype=torch.uint8, generator=g)
+        y = torch.randint(0, 10, (n + 64,), generator=g)
+        out["cifar"] = (Split(x[:n], y[:n]), Split(x[n:], y[n:]), [0.5] * 3, [0.25] * 3, 3)
+    return out
+
+
+def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int) -> dict:
+    tr, val, mean, std, _ = data
+    device = resolve_device(cfg.device)
+    with PeakRSS() as rss:
+        result = train(model, tr, val, mean, std, cfg, lr=lr, epochs=2, batch_size=batch_size,
+                       seed=seed, progress=False, verbose=False)
+    first, second = result.history
+    return {"samples_per_s": second["samples_per_s"],
+            "train_s": len(tr.y) / second["samples_per_s"],
+            "first_train_s": len(tr.y) / first["samples_per_s"],
+            "peak_mem_mb": second["peak_mem_mb"] if device.type == "cuda" else rss.mb}
+
+
+def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size: int,
+          synthetic_size: int, cifar_width: int) -> dict:
+    params = load_params()
+    base_cfg = params.train
+    device = resolve_device(base_cfg.device)
+    n = steps * batch_size * max(ROWS[r][1] for r in rows)
+    results, widths = [], {}
+    for name, data in datasets(names, n, synthetic_size, params.seed).items():
+        torch.manual_seed(params.seed)
+        # The same initial weights in every row. CIFAR-sized images get a CIFAR-sized width.
+        model_cfg = params.model if name == "digits" else \
+            dataclasses.replace(params.model, width=cifar_width)
+        init = build_model(model_cfg, data[4], 10)
+        widths[name] = model_cfg.width
+        samples: dict[str, list[dict]] = {r: [] for r in rows}
+        warmup: dict[str, dict] = {}
+        for round_ in range(rounds + 1):
+            for row in rows:
+                overrides, mult = ROWS[row]
+                cfg = dataclasses.replace(base_cfg, **overrides)
+                bs = batch_size * mult
+                tr = Split(data[0].x[:steps * bs], data[0].y[:steps * bs])
+                m = run_row(copy.deepcopy(init), (tr, *data[1:]), cfg, bs, params.lr, params.seed)
+                if round_:
+                    samples[row].append(m)
+                else:  # round 0 warms up caches, allocators, kernels and compiles: discarded
+                    warmup[row] = m
+                print(f"  {name} round {round_}/{rounds} {row}: {m['samples_per_s']:.0f} samples/s",
+                      file=sys.stderr, flush=True)
+        ref = statistics.median(m["samples_per_s"] for m in samples[rows[0]])
+        for row in rows:
+            ms = samples[row]
+            sps = [m["samples_per_s"] for m in ms]
+            compiled = ROWS[row][0].get("compile", base_cfg.compile)
+            results.append({
+                "dataset": name, "name": row, "batch_size": batch_size * ROWS[row][1],
+                "samples_per_s": statistics.median(sps),
+                "epoch_s": statistics.median(m["train_s"] for m in ms),
+                "peak_mem_mb": statistics.median(m["peak_mem_mb"] for m in ms),
+                "ratio": statistics.median(sps) / ref,
+                "min_samples_per_s": min(sps), "max_samples_per_s": max(sps),
+                # Compilation happens once, in the warm-up round's first epoch.
+                "compile_s": warmup[row]["first_train_s"] - statistics.median(
+                    m["train_s"] for m in ms) if compiled else None,
+            })
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "precision_auto": resolve_precision("auto", device),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "settings": {"rounds": rounds, "steps": steps, "batch_size": batch_size,
+                     "synthetic_size": synthetic_size, "datasets": names,
+                     "model": f"{params.model.arch}, width per dataset {widths}"},
+        "memory": "CUDA max_memory_allocated" if device.type == "cuda"
+        else "peak RSS increase of the process during the row, sampled every 2 ms",
+        "rows": results,
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"Measured {report['date']} on {report['device']} ({report['device_name']}), "
+             f"torch {report['torch']}, {report['threads']} threads; auto precision = "
+             f"{report['precision_auto']}. {s['steps']} steps of batch {s['batch_size']} per epoch, "
+             f"median of {s['rounds']} interleaved rounds (min..max shown). Model: {s['model']}. "
+             f"Memory: {report['memory']}.", ""]
+    for name in dict.fromkeys(r["dataset"] for r in report["rows"]):
+        lines += [f"**{name}**", "",
+                  "| variant | epoch time | peak memory | samples/s | vs standard "
+                  "| min..max samples/s | compile |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in (r for r in report["rows"] if r["dataset"] == name):
+            comp = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "-"
+            lines.append(f"| {r['name']} (batch {r['batch_size']}) | {r['epoch_s']:.2f} s | "
+                         f"{r['peak_mem_mb']:.0f} MB | {r['samples_per_s']:.0f} | "
+                         f"{r['ratio']:.2f}x | {r['min_samples_per_s']:.0f}.."
+                         f"{r['max_samples_per_s']:.0f} | {comp} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def bar_chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["dataset"] for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        rows = [r for r in report["rows"] if r["dataset"] == name]
+        y = range(len(rows))
+        med = [r["samples_per_s"] for r in rows]
+        err = [[m - r["min_samples_per_s"] for m, r in zip(med, rows, strict=True)],
+               [r["max_samples_per_s"] - m for m, r in zip(med, rows, strict=True)]]
+        ax.barh(y, med, xerr=err, color="tab:blue", capsize=3)
+        ax.set_yticks(y, [f"{r['name']} ({r['ratio']:.2f}x)" for r in rows])
+        ax.invert_yaxis()
+        ax.set(xlabel="samples/s (median, min..max)", title=f"{name} on {report['device']}")
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="few steps and rounds, no compile row: under a minute on 2 CPU cores")
+    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
+    ap.add_argument("--datasets", default="digits,cifar", help="digits and/or cifar (synthetic)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3, quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per epoch (default 20, quick 6)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--synthetic-size", type=int, default=32, help="side of the synthetic images")
+    ap.add_argument("--cifar-width", type=int, default=64, help="model.width on the synthetic set")
+    ap.add_argument("--out", type=Path, default=Path("bench"), help="folder for report.md, chart.png")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    if args.quick:
+        rows = [r for r in rows if r not in QUICK_SKIPS]
+    names = [d for d in args.datasets.split(",") if d]
+    if not set(names) <= {"digits", "cifar"} or not names:
+        ap.error(f"--datasets {args.datasets!r}: choose from digits, cifar")
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (6 if args.quick else 20)
+
+    report = bench(rows, names, rounds, steps, args.batch_size, args.synthetic_size,
+                   args.cifar_width)
+    text = markdown(report)
+    print(text)
+    write_text(args.out / "report.md", text + "\n")
+    write_json(args.out / "results.json", report)
+    bar_chart(report, args.out / "chart.png")
+    if args.json:
+        write_json(args.json, report)
+    print(f"wrote {args.out / 'report.md'}, {args.out / 'chart.png'}, {args.out / 'results.json'}",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""`python -m stages.bench --quick` runs every row and writes the report. Timings are not
+asserted: on shared machines they are noise; the ratios are for the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from stages.bench import QUICK_SKIPS, ROWS
+from tests.conftest import ROOT, env_with, run
+
+
+def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
+    out = tmp_path / "bench"
+    run([sys.executable, "-m", "stages.bench", "--quick", "--steps", "2", "--synthetic-size", "16",
+         "--cifar-width", "8", "--out", str(out), "--json", str(tmp_path / "r.json")],
+        ROOT, env=env_with(PYTHONPATH=str(ROOT)))
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert {"device", "torch", "rows"} <= set(report)
+    rows = report["rows"]
+    expected = [r for r in ROWS if r not in QUICK_SKIPS]
+    for dataset in ("digits", "cifar"):
+        assert [r["name"] for r in rows if r["dataset"] == dataset] == expected
+    for r in rows:
+        assert {"name", "samples_per_s", "epoch_s", "peak_mem_mb", "ratio", "min_samples_per_s",
+                "max_samples_per_s", "compile_s"} <= set(r)
+        assert r["samples_per_s"] > 0 and r["min_samples_per_s"] <= r["max_samples_per_s"]
+    assert all(r["ratio"] == 1.0 for r in rows if r["name"] == "standard")
+    text = (out / "report.md").read_text()
+    assert "| standard (batch 32) |" in text and "vs standard" in text
+    assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_row_is_refused():
+    p = run([sys.executable, "-m", "stages.bench", "--rows", "standard,turbo"], ROOT,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 2 and "unknown rows ['turbo']" in p.stderr
