@@ -20,7 +20,7 @@ from typing import Any, Union
 
 from omegaconf import OmegaConf
 
-SOURCES = ("digits",)  # folder and torchvision datasets: see the bring-your-own-data issue
+SOURCES = ("digits", "folder", "cifar10", "mnist", "fashion_mnist")
 ARCHS = ("cnn", "resnet18")
 
 
@@ -45,9 +45,18 @@ class DataConfig:
     channels: int = 1
     val_fraction: float = 0.1
     test_fraction: float = 0.2
+    resize: str = "squash"
+    num_workers: Union[int, str] = "auto"  # noqa: UP007
+    max_rejected_fraction: float = 0.05
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, SOURCES)
+        _choice("data.resize", self.resize, ("squash", "center_crop"))
+        _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
+                 and self.num_workers >= 0), "data.num_workers", self.num_workers,
+                 "use auto or an integer >= 0")
+        _require(0 <= self.max_rejected_fraction <= 1, "data.max_rejected_fraction",
+                 self.max_rejected_fraction, "must be in [0, 1]")
         _require(4 <= self.image_size <= 1024, "data.image_size", self.image_size, "must be 4..1024")
         _choice("data.channels", self.channels, (1, 3))
         for k in ("val_fraction", "test_fraction"):
@@ -148,8 +157,11 @@ class ExportConfig:
     check_batch_sizes: list[int] = field(default_factory=lambda: [1, 7])
     atol: float = 1e-4
     log_model: bool = True
+    register_as: str = ""  # a registered model name: version gets alias candidate (champion if best)
 
     def __post_init__(self) -> None:
+        _require(self.log_model or not self.register_as, "export.register_as", self.register_as,
+                 "registering needs export.log_model: true")
         _require(self.opset >= 17, "export.opset", self.opset, "must be >= 17")
         _require(len(self.check_batch_sizes) >= 2 and len(set(self.check_batch_sizes)) >= 2
                  and all(b >= 1 for b in self.check_batch_sizes), "export.check_batch_sizes",

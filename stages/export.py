@@ -21,6 +21,7 @@ from stages.models import load_trained
 
 PREPARED = Path("data/prepared")
 TRAIN = Path("models/train")
+EVAL = Path("models/eval")
 OUT = Path("models/export")
 
 
@@ -90,6 +91,7 @@ def main() -> None:
         "arch": ckpt["model_params"]["arch"], "model_params": ckpt["model_params"],
         "classes": ckpt["classes"], "mean": ckpt["mean"], "std": ckpt["std"],
         "input_shape": [ckpt["channels"], ckpt["image_size"], ckpt["image_size"]],
+        "resize": ckpt["resize"],
         "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
         "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
@@ -100,8 +102,14 @@ def main() -> None:
     with tracking.reopen_run(params.mlflow, run_id) as run:
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(OUT / name, "export")
-        if cfg.log_model:
-            run.log_pytorch_model(model, example.numpy())
+        info = run.log_pytorch_model(model, example.numpy()) if cfg.log_model else None
+        if cfg.register_as and info is not None:
+            accuracy = json.loads((EVAL / "metrics.json").read_text())["accuracy"]
+            reg = run.register(info.model_uri, cfg.register_as, accuracy)
+            if reg:
+                print(f"registered {reg['name']} version {reg['version']} as candidate"
+                      + (", now champion" if reg["champion"] else
+                         f"; champion stays version {reg['previous_champion']}"))
     print(f"exported ONNX, .pt2 and safetensors to {OUT}; eager vs exported within "
           f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}")
 

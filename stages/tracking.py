@@ -81,13 +81,40 @@ class Tracker:
 
         self._call(mlflow.log_artifact, str(path), artifact_path)
 
-    def log_pytorch_model(self, model, input_example) -> None:
+    def log_pytorch_model(self, model, input_example):
+        """The ModelInfo of the logged model, or None when tracking is off."""
         import mlflow.pytorch
         import torch
 
         # Explicit requirements: inferring them imports the model in a subprocess (~10 s).
-        self._call(mlflow.pytorch.log_model, model, name="model", input_example=input_example,
-                   pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        return self._call(mlflow.pytorch.log_model, model, name="model",
+                          input_example=input_example,
+                          pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+
+    def register(self, model_uri: str, name: str, accuracy: float) -> dict | None:
+        """Register a version with alias `candidate`; move `champion` to it when its test
+        accuracy beats the current champion's (or there is none)."""
+        return self._call(_register, model_uri, name, accuracy)
+
+
+def _register(model_uri: str, name: str, accuracy: float) -> dict:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    version = mlflow.register_model(model_uri, name).version
+    client.set_model_version_tag(name, version, "eval.accuracy", repr(accuracy))
+    client.set_registered_model_alias(name, "candidate", version)
+    try:
+        champion = client.get_model_version_by_alias(name, "champion")
+        best = float(champion.tags.get("eval.accuracy", "-1"))
+    except MlflowException:  # no champion yet
+        champion, best = None, -1.0
+    promoted = accuracy > best
+    if promoted:
+        client.set_registered_model_alias(name, "champion", version)
+    return {"name": name, "version": int(version), "champion": promoted,
+            "previous_champion": int(champion.version) if champion else None}
 
 
 def _experiment_id(name: str, uri: str) -> str:

@@ -68,6 +68,7 @@ def main() -> None:
                       "model_params": dataclasses.asdict(params.model),
                       "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
                       "channels": meta["channels"], "image_size": meta["image_size"],
+                      "resize": meta["resize"],
                       "best_epoch": result.best_epoch, "run_id": run.run_id}
         save_torch(OUT / "model.pt", checkpoint)
         metrics = {

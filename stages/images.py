@@ -1,0 +1,90 @@
+"""Image files in: finding them, decoding every mode Pillow reads, the same way for prepare and predict."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
+
+
+class DataError(ValueError):
+    """A problem with the user's data; the message names the file or folder and the fix."""
+
+
+def is_hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def image_files(folder: Path) -> list[Path]:
+    """Image files below `folder`, sorted, skipping hidden files and folders."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS
+                  and not is_hidden(p, folder))
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit and 32-bit grayscale scaled, not clipped, to 8 bits."""
+    arr = np.asarray(img, dtype=np.float64)
+    if img.mode == "F" and arr.size and arr.max() <= 1.0:
+        arr = arr * 255
+    elif img.mode.startswith("I;16") or (arr.size and arr.max() > 255):
+        arr = arr / 257
+    return Image.fromarray(np.clip(np.round(arr), 0, 255).astype(np.uint8), "L")
+
+
+def to_mode(img: Image.Image, mode: str) -> Image.Image:
+    """Any Pillow mode to "L" or "RGB". Transparency is composited onto black, the colour of
+    the zero padding augmentation adds."""
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        img = _to_8bit(img)
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
+        img = Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert(mode)
+
+
+def decode_image(path: str | Path, channels: int, size: int, resize: str) -> np.ndarray:
+    """uint8 (C, size, size). Raises DataError with the reason for an unreadable file."""
+    path = Path(path)
+    if path.stat().st_size == 0:
+        raise DataError("empty file (0 bytes)")
+    try:
+        with Image.open(path) as img:
+            img.load()  # decode it all now: a truncated file fails here, never padded silently
+            img = ImageOps.exif_transpose(img)
+            img = to_mode(img, "L" if channels == 1 else "RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{type(e).__name__}: {e}") from None
+    if resize == "center_crop":
+        img = ImageOps.fit(img, (size, size), Image.Resampling.BICUBIC)
+    else:
+        img = img.resize((size, size), Image.Resampling.BICUBIC)
+    return np.asarray(img, dtype=np.uint8).reshape(size, size, channels).transpose(2, 0, 1)
+
+
+def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str, str]:
+    path, channels, size, resize = args
+    try:
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return decode_image(path, channels, size, resize), "", digest
+    except (DataError, OSError) as e:
+        return None, str(e), ""
+
+
+def decode_many(paths: list[Path], channels: int, size: int, resize: str,
+                workers: int) -> Iterator[tuple[np.ndarray | None, str, str]]:
+    """(image or None, reason if rejected, sha256 of the file), in order, decoded in parallel."""
+    jobs = [(str(p), channels, size, resize) for p in paths]
+    if workers <= 1:
+        yield from map(_decode_one, jobs)
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        yield from pool.map(_decode_one, jobs, chunksize=32)

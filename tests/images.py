@@ -1,0 +1,69 @@
+"""A real image-folder dataset the tests draw: circles, squares and triangles in every file
+format and Pillow mode prepare must read, plus the broken files real folders contain."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+CLASSES = ("circle", "square", "triangle")
+# (extension, mode) pairs cycled through; prepare converts each to the target mode.
+FORMATS = [(".png", "RGB"), (".jpg", "RGB"), (".png", "L"), (".png", "RGBA"), (".png", "P"),
+           (".jpeg", "CMYK"), (".png", "I;16"), (".bmp", "RGB"), (".webp", "RGB"),
+           (".tif", "RGB"), (".png", "LA")]
+
+
+def draw(shape: str, rng: random.Random, size: int = 32) -> Image.Image:
+    img = Image.new("RGB", (size, size), tuple(rng.randrange(0, 60) for _ in range(3)))
+    d = ImageDraw.Draw(img)
+    r = rng.randrange(7, 13)
+    cx, cy = rng.randrange(r + 1, size - r - 1), rng.randrange(r + 1, size - r - 1)
+    color = tuple(rng.randrange(150, 256) for _ in range(3))
+    if shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=color)
+    elif shape == "square":
+        d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=color)
+    else:
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
+    return img
+
+
+def save(img: Image.Image, path: Path, mode: str) -> None:
+    if mode == "P":
+        p = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
+        p.save(path, transparency=p.getpixel((0, 0)))  # the background's palette entry
+    elif mode == "I;16":
+        arr = np.asarray(img.convert("L"), dtype=np.uint16) * 257
+        Image.fromarray(arr).save(path)  # uint16: a 16-bit grayscale PNG
+    else:
+        img.convert(mode).save(path)
+
+
+def make_folder(root: Path, per_class: int, seed: int = 0, splits: dict[str, int] | None = None,
+                bad: bool = True) -> dict[str, int]:
+    """Write the dataset; returns how many good images each split (or "all") got."""
+    rng = random.Random(seed)
+    counts = {}
+    layout = splits or {"": per_class}
+    for split, n in layout.items():
+        for c in CLASSES:
+            folder = root / split / c
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                ext, mode = FORMATS[(i + CLASSES.index(c)) % len(FORMATS)]
+                save(draw(c, rng), folder / f"{c}_{i:03d}{ext}", mode)
+        counts[split or "all"] = n * len(CLASSES)
+    if bad:
+        target = root / ("train" if splits else "") / "circle"
+        (target / "empty.png").write_bytes(b"")
+        good = (target / "circle_000.png").read_bytes()
+        (target / "truncated.png").write_bytes(good[: len(good) // 2])
+        (target / "notes.jpg").write_text("not an image")
+        hidden = target / ".thumbnails"
+        hidden.mkdir()
+        (hidden / "thumb.png").write_bytes(good)
+        (target / ".hidden.png").write_bytes(good)
+    return counts

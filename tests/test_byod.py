@@ -1,0 +1,133 @@
+"""Bring your own data: image folders in every format, broken files, torchvision sources."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import struct
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.data import load_split
+from stages.images import decode_image
+from tests.conftest import ROOT, run, set_params
+from tests.images import CLASSES, FORMATS, draw, make_folder, save
+
+
+def prepare(tmp_path, check=True, env_extra=None, **params):
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    set_params(tmp_path / "params.yaml", params)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return run([sys.executable, "-m", "stages.prepare"], tmp_path, env=env, check=check)
+
+
+def folder_params(root, **extra):
+    return {"data.source": "folder", "data.root": str(root), "data.channels": "3",
+            "data.image_size": "24", **extra}
+
+
+@pytest.mark.parametrize("ext, mode", FORMATS)
+def test_every_format_and_mode_decodes_to_the_target(tmp_path, ext, mode):
+    import random
+
+    path = tmp_path / f"img{ext}"
+    save(draw("square", random.Random(1)), path, mode)
+    for channels in (1, 3):
+        x = decode_image(path, channels, 20, "squash")
+        assert x.shape == (channels, 20, 20) and x.dtype == np.uint8
+        assert x.max() > 120  # the bright shape survived the conversion (16-bit scaled, not clipped)
+    assert decode_image(path, 3, 20, "center_crop").shape == (3, 20, 20)
+
+
+def test_transparency_is_composited_onto_black(tmp_path):
+    img = Image.new("RGBA", (8, 8), (255, 255, 255, 0))  # fully transparent white
+    img.save(tmp_path / "t.png")
+    assert decode_image(tmp_path / "t.png", 1, 8, "squash").max() == 0
+
+
+def test_folder_prepare_skips_and_lists_bad_files(tmp_path):
+    data = tmp_path / "shapes"
+    counts = make_folder(data, per_class=20)
+    p = prepare(tmp_path, **folder_params(data, **{"data.max_rejected_fraction": "0.1"}))
+    assert "skipped 3 unreadable files" in p.stderr
+    meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
+    assert meta["classes"] == sorted(CLASSES)
+    assert sum(meta["sizes"].values()) == counts["all"]  # hidden files and folders ignored
+    assert meta["rejected"] == 3
+    rows = list(csv.DictReader(open(tmp_path / "data/prepared/rejected.csv")))
+    reasons = {os.path.basename(r["path"]): r["reason"] for r in rows}
+    assert set(reasons) == {"empty.png", "truncated.png", "notes.jpg"}
+    assert "0 bytes" in reasons["empty.png"]
+    assert "cannot identify image file" in reasons["notes.jpg"]
+    x = load_split(tmp_path / "data/prepared", "train").x
+    assert tuple(x.shape[1:]) == (3, 24, 24)
+
+
+def test_given_splits_are_used_and_leakage_is_reported(tmp_path):
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=0, splits={"train": 12, "val": 3, "test": 4}, bad=False)
+    shutil.copy(data / "train/circle/circle_000.png", data / "test/circle/leak.png")
+    p = prepare(tmp_path, **folder_params(data))
+    meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
+    assert meta["sizes"] == {"train": 36, "val": 9, "test": 13}
+    assert meta["duplicates_across_splits"] == 1 and "leakage" in p.stderr
+    leak = list(csv.DictReader(open(tmp_path / "data/prepared/leakage.csv")))
+    assert {r["split"] for r in leak} == {"train", "test"}
+
+
+def test_too_many_bad_files_fail_naming_the_threshold(tmp_path):
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=10)
+    p = prepare(tmp_path, check=False, **folder_params(data, **{"data.max_rejected_fraction": "0.05"}))
+    assert p.returncode == 1
+    assert "3 of 33 images" in p.stderr and "data.max_rejected_fraction 0.05" in p.stderr
+    assert "empty.png" in p.stderr
+
+
+def test_empty_class_folder_and_single_class_fail_naming_them(tmp_path):
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=10, bad=False)
+    (data / "hexagon").mkdir()
+    (data / "hexagon/.DS_Store").write_text("x")
+    p = prepare(tmp_path, check=False, **folder_params(data))
+    assert p.returncode == 1 and "hexagon: class folder has no images" in p.stderr
+    shutil.rmtree(data / "hexagon")
+    for c in ("square", "triangle"):
+        shutil.rmtree(data / c)
+    p = prepare(tmp_path, check=False, **folder_params(data))
+    assert p.returncode == 1 and "only one class folder ('circle')" in p.stderr
+
+
+def test_offline_torchvision_source_says_which_files_to_put_where(tmp_path):
+    closed = "http://127.0.0.1:9"  # nothing listens there: the download fails at once
+    p = prepare(tmp_path, check=False, env_extra={"http_proxy": closed, "https_proxy": closed},
+                **{"data.source": "cifar10", "data.root": str(tmp_path / "raw")})
+    assert p.returncode == 1
+    assert "Offline?" in p.stderr and "cifar-10-python.tar.gz" in p.stderr
+    assert str(tmp_path / "raw") in p.stderr
+
+
+def _idx(path, array: np.ndarray) -> None:
+    """The IDX format MNIST ships in (uint8 data), uncompressed as torchvision keeps it."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim)
+    header += b"".join(struct.pack(">I", d) for d in array.shape)
+    path.write_bytes(header + array.tobytes())
+
+
+def test_mnist_files_put_in_place_by_hand_are_used(tmp_path):
+    raw = tmp_path / "raw/MNIST/raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 100), ("t10k", 30)):
+        _idx(raw / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        _idx(raw / f"{prefix}-labels-idx1-ubyte", np.arange(n, dtype=np.uint8) % 10)
+    prepare(tmp_path, **{"data.source": "mnist", "data.root": str(tmp_path / "raw"),
+                         "data.image_size": "28"})
+    meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
+    assert meta["sizes"] == {"train": 90, "val": 10, "test": 30}  # MNIST's own test split kept
+    assert meta["classes"][0].startswith("0")
