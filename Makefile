@@ -28,8 +28,10 @@ repro: setup ## run the whole pipeline: prepare, train, evaluate, export
 test: setup ## run the test suite
 	$(PY) -m pytest
 
-ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000
-	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+UI_PORT ?= 5000
+ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
+	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(UI_PORT) \
+		--allowed-hosts 127.0.0.1:$(UI_PORT),localhost:$(UI_PORT) --workers 1
 
 lint: setup ## ruff
 	ruff check stages tests

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from stages.config import TrainConfig, load_params
-from stages.data import Split, build_meta, load_digits, resize, stratified_split
+from stages.data import Split, build_meta, load_digits, load_meta, load_split, resize, stratified_split
 from stages.files import atomic_write, write_json, write_text
 from stages.loop import resolve_device, resolve_precision, train
 from stages.models import build_model
@@ -42,6 +42,8 @@ ROWS: dict[str, tuple[dict, int]] = {  # name: (train overrides, batch-size mult
     "optimized_compile": ({"compile": True}, 1),
 }
 QUICK_SKIPS = ("optimized_compile",)  # compiling takes 20-50 s on 2 CPU cores
+DATASETS = ("digits", "cifar", "prepared")
+PREPARED = Path("data/prepared")
 
 
 class PeakRSS:
@@ -82,7 +84,7 @@ class PeakRSS:
 
 
 def datasets(names: list[str], n: int, synthetic_size: int, seed: int) -> dict:
-    """name -> (train split, val split, mean, std, channels): real digits and CIFAR-sized noise."""
+    """name -> (train, val, mean, std, channels, classes): digits, CIFAR-sized noise, data/prepared."""
     out = {}
     g = torch.Generator().manual_seed(seed)
     if "digits" in names:
@@ -94,17 +96,23 @@ def datasets(names: list[str], n: int, synthetic_size: int, seed: int) -> dict:
         val = Split(x[parts["val"]][:64], y[parts["val"]][:64])
         meta = build_meta({"train": tr, "val": val, "test": val}, [str(i) for i in range(10)],
                           dataclasses.replace(load_params().data, image_size=16, channels=1))
-        out["digits"] = (tr, val, meta["mean"], meta["std"], 1)
+        out["digits"] = (tr, val, meta["mean"], meta["std"], 1, 10)
+    if "prepared" in names:  # the train stage's own data: `dvc repro prepare` first
+        meta = load_meta(PREPARED)
+        tr, val = load_split(PREPARED, "train"), load_split(PREPARED, "val")
+        idx = torch.arange(n) % len(tr.y)
+        out["prepared"] = (Split(tr.x[idx], tr.y[idx]), val, meta["mean"], meta["std"],
+                           meta["channels"], len(meta["classes"]))
     if "cifar" in names:
         s = synthetic_size
         x = torch.randint(0, 256, (n + 64, 3, s, s), dtype=torch.uint8, generator=g)
         y = torch.randint(0, 10, (n + 64,), generator=g)
-        out["cifar"] = (Split(x[:n], y[:n]), Split(x[n:], y[n:]), [0.5] * 3, [0.25] * 3, 3)
+        out["cifar"] = (Split(x[:n], y[:n]), Split(x[n:], y[n:]), [0.5] * 3, [0.25] * 3, 3, 10)
     return out
 
 
 def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int) -> dict:
-    tr, val, mean, std, _ = data
+    tr, val, mean, std = data[:4]
     device = resolve_device(cfg.device)
     with PeakRSS() as rss:
         result = train(model, tr, val, mean, std, cfg, lr=lr, epochs=2, batch_size=batch_size,
@@ -126,9 +134,9 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
     for name, data in datasets(names, n, synthetic_size, params.seed).items():
         torch.manual_seed(params.seed)
         # The same initial weights in every row. CIFAR-sized images get a CIFAR-sized width.
-        model_cfg = params.model if name == "digits" else \
+        model_cfg = params.model if name != "cifar" else \
             dataclasses.replace(params.model, width=cifar_width)
-        init = build_model(model_cfg, data[4], 10)
+        init = build_model(model_cfg, data[4], data[5])
         widths[name] = model_cfg.width
         samples: dict[str, list[dict]] = {r: [] for r in rows}
         warmup: dict[str, dict] = {}
@@ -227,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="few steps and rounds, no compile row: under a minute on 2 CPU cores")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
-    ap.add_argument("--datasets", default="digits,cifar", help="digits and/or cifar (synthetic)")
+    ap.add_argument("--datasets", default="digits,cifar",
+                    help="digits, cifar (synthetic 32x32x3) and/or prepared (data/prepared)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3, quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per epoch (default 20, quick 6)")
     ap.add_argument("--batch-size", type=int, default=32)
@@ -244,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         rows = [r for r in rows if r not in QUICK_SKIPS]
     names = [d for d in args.datasets.split(",") if d]
-    if not set(names) <= {"digits", "cifar"} or not names:
-        ap.error(f"--datasets {args.datasets!r}: choose from digits, cifar")
+    if not set(names) <= set(DATASETS) or not names:
+        ap.error(f"--datasets {args.datasets!r}: choose from {', '.join(DATASETS)}")
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (6 if args.quick else 20)
 

@@ -13,7 +13,7 @@ from stages.config import ParamsError, load_params
 from stages.data import load_split
 from stages.files import write_json
 from stages.loop import predict, resolve_device
-from stages.models import load_trained
+from stages.models import CheckpointRefused, load_trained
 from stages.report import (
     classification_metrics,
     plot_confusion,
@@ -63,5 +63,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ParamsError, FileNotFoundError) as e:
+    except (ParamsError, FileNotFoundError, CheckpointRefused) as e:
         sys.exit(f"error: {e}")

@@ -17,7 +17,7 @@ from stages import tracking
 from stages.config import ParamsError, load_params
 from stages.data import load_split, normalize
 from stages.files import atomic_write, write_json
-from stages.models import load_trained
+from stages.models import CheckpointRefused, load_trained
 
 PREPARED = Path("data/prepared")
 TRAIN = Path("models/train")
@@ -117,5 +117,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ParamsError, FileNotFoundError) as e:
+    except (ParamsError, FileNotFoundError, CheckpointRefused) as e:
         sys.exit(f"error: {e}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -27,8 +28,12 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"disk full while writing {path}; the previous "
+                          f"{path.name}, if any, is intact. Free space on the disk of "
+                          f"{path.parent} and rerun") from e
         raise
     return path
 

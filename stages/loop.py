@@ -7,6 +7,7 @@ it happens, with the reason it is there.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 import os
@@ -154,11 +155,18 @@ def save_checkpoint(state: dict, ckpt_dir: Path, epoch: int, keep: int = 2) -> P
     return path
 
 
+class CheckpointError(RuntimeError):
+    pass
+
+
 def latest_checkpoint(ckpt_dir: Path) -> dict | None:
-    """The newest checkpoint that verifies and loads; a broken one is skipped with a warning."""
+    """The newest checkpoint that verifies and loads; a broken one is skipped with a warning.
+    None when there is none; an error when there are some but none is usable: a silent restart
+    from scratch would throw away the run."""
     for stale in ckpt_dir.glob(".*.tmp.pt"):  # left by a kill mid-write: never used, removed
         stale.unlink(missing_ok=True)
-    for path in sorted(ckpt_dir.glob("epoch-*.pt"), reverse=True):
+    found = sorted(ckpt_dir.glob("epoch-*.pt"), reverse=True)
+    for path in found:
         digest = path.with_suffix(".sha256")
         try:
             if not digest.exists() or digest.read_text().strip() != _sha256(path):
@@ -167,8 +175,11 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
             state["path"] = str(path)
             return state
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous
-            warnings.warn(f"checkpoint {path} is unusable ({e}); falling back to an older one",
-                          stacklevel=2)
+            warnings.warn(f"checkpoint {path} is unusable ({type(e).__name__}: {e}); "
+                          "falling back to an older one", stacklevel=2)
+    if found:
+        raise CheckpointError(f"no usable checkpoint among {', '.join(str(p) for p in found)}; "
+                              "to start this run afresh, set train.resume: never")
     return None
 
 
@@ -210,6 +221,25 @@ class TrainResult:
     train_s: float = 0.0
 
 
+class OutOfMemory(RuntimeError):
+    pass
+
+
+def _explain_oom(fn):
+    """An out-of-memory error says what to change, in the params' own names."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemory(f"out of memory while training ({str(e).splitlines()[0]}). Lower "
+                              "batch_size, or keep the effective batch with a smaller batch_size "
+                              "and a larger train.accumulate") from e
+
+    return wrapper
+
+
 def _peak_mem_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -217,6 +247,7 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@_explain_oom
 def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[float],
           std: list[float], cfg: TrainConfig, *, lr: float, epochs: int, batch_size: int,
           seed: int, log: Log = no_log, ckpt_dir: Path | None = None,

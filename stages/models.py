@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 from torch import nn
 
@@ -48,12 +50,20 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+class CheckpointRefused(ValueError):
+    pass
+
+
 def load_checkpoint(path, map_location: str | torch.device = "cpu") -> dict:
     """weights_only=True: a checkpoint is data; a pickle that runs code is refused, no fallback."""
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing; run `dvc repro train` first") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(f"{path}: refused to load, it is not a plain weights file "
+                                f"(weights_only=True: {str(e).splitlines()[0]}). Rebuild it with "
+                                "`dvc repro train`; never load it with weights_only=False") from None
 
 
 def load_trained(path) -> tuple[nn.Module, dict]:

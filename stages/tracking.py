@@ -25,8 +25,28 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 def tracking_uri(cfg: MlflowConfig) -> str:
+    # timeout: how long sqlite waits on a lock held by another process (queued experiments,
+    # parallel stages) before "database is locked"; its default is 5 s.
     return (os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
-            or f"sqlite:///{repo_root() / 'mlflow.db'}")
+            or f"sqlite:///{repo_root() / 'mlflow.db'}?timeout=60")
+
+
+@contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """One process at a time creates a sqlite store (its migrations) and the experiment."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///").split("?")[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def git_commit() -> str:
@@ -141,11 +161,10 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, run_name: str | N
         import mlflow
 
         mlflow.set_tracking_uri(tracker.uri)
-        if run_id:
-            run = mlflow.start_run(run_id=run_id)
-        else:
-            run = mlflow.start_run(experiment_id=_experiment_id(cfg.experiment, tracker.uri),
-                                   run_name=run_name)
+        with _store_lock(tracker.uri):
+            exp_id = None if run_id else _experiment_id(cfg.experiment, tracker.uri)
+        run = mlflow.start_run(run_id=run_id) if run_id else \
+            mlflow.start_run(experiment_id=exp_id, run_name=run_name)
         tracker.run_id, tracker.enabled = run.info.run_id, True
         tracker.set_tags(tags or {})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import io
+import json
 import os
 import platform
 import shutil
@@ -18,7 +20,8 @@ from stages import tracking
 from stages.config import ParamsError, flatten, load_params, params_hash, repo_root
 from stages.data import load_meta, load_split
 from stages.files import save_torch, write_json, write_text
-from stages.loop import NonFiniteLossError, latest_checkpoint, train
+from stages.images import DataError
+from stages.loop import CheckpointError, NonFiniteLossError, OutOfMemory, latest_checkpoint, train
 from stages.models import build_model, count_params
 
 PREPARED = Path("data/prepared")
@@ -40,9 +43,12 @@ def main() -> None:
                 and k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
     key = params_hash(decisive, meta["sha256"])
     ckpt_dir = repo_root() / params.train.checkpoint_dir / key
-    resume = latest_checkpoint(ckpt_dir) if params.train.resume == "auto" else None
     if params.train.resume == "never":
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+    resume = latest_checkpoint(ckpt_dir)
+    if resume is None:
+        _note_other_unfinished_runs(ckpt_dir, decisive)
+        write_json(ckpt_dir / "params.json", decisive)
 
     tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
             "torch": torch.__version__, "python": platform.python_version(),
@@ -51,14 +57,10 @@ def main() -> None:
                             tags=tags) as run:
         if resume is None:
             run.log_params(flatten(params))
-        try:
-            result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
-                           lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
-                           seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
-                           extra_state={"run_id": run.run_id})
-        except torch.OutOfMemoryError as e:
-            raise SystemExit(f"error: out of memory in training ({e}). Lower batch_size, or "
-                             "keep the effective batch with a larger train.accumulate.") from e
+        result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
+                       lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
+                       seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
+                       extra_state={"run_id": run.run_id})
         run.set_tags({"device": result.device, "precision": result.precision,
                       "loader": result.loader})
 
@@ -92,6 +94,19 @@ def main() -> None:
           f"{result.best_epoch}, {result.train_s:.1f}s")
 
 
+def _note_other_unfinished_runs(ckpt_dir: Path, decisive: dict) -> None:
+    """Changed params start afresh in their own folder (so parallel queued experiments never
+    mix); an unfinished run of other params is kept and named, with what differs."""
+    for other in sorted(ckpt_dir.parent.glob("*/params.json")):
+        if other.parent == ckpt_dir or not any(other.parent.glob("epoch-*.pt")):
+            continue
+        theirs = json.loads(other.read_text())
+        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in decisive.items()
+                         if theirs.get(k) != v)
+        print(f"note: starting afresh; an unfinished run with other params is kept in "
+              f"{other.parent} ({diff}). Restore those params to resume it.", file=sys.stderr)
+
+
 def _csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -103,5 +118,10 @@ def _csv(rows: list[dict]) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (ParamsError, FileNotFoundError, NonFiniteLossError) as e:
+    except (ParamsError, FileNotFoundError, NonFiniteLossError, CheckpointError, OutOfMemory,
+            DataError) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        sys.exit(f"error: {e.strerror}")

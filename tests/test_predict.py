@@ -74,7 +74,7 @@ def test_predict_names_a_bad_file_and_still_predicts_the_others(shapes_repo):
     assert js.returncode == 1 and "error" in out[0] and out[1]["path"] == str(good[0])
 
 
-def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri):
+def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri, tmp_path):
     import mlflow
     import torch
 
@@ -82,9 +82,10 @@ def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri):
 
     mlflow.set_tracking_uri(mlflow_uri)
     client = mlflow.MlflowClient()
+    exp = mlflow.create_experiment("registry-test", artifact_location=tmp_path.as_uri())
     versions = []
     for accuracy in (0.90, 0.85, 0.95):
-        with mlflow.start_run():
+        with mlflow.start_run(experiment_id=exp):
             info = mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model",
                                             input_example=torch.zeros(2, 2).numpy(),
                                             pip_requirements=["torch"])
