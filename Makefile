@@ -6,9 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
-export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup repro test ui lint bench
+.PHONY: help setup repro test ui lint bench ci-report
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -38,3 +38,12 @@ lint: setup ## ruff
 
 bench: setup ## the loop ablation benchmark, side by side
 	$(PY) -m stages.bench
+
+BASE ?= main
+ci-report: setup ## params, metrics and plots of the workspace against BASE (default main), as Markdown
+	@echo "## Params: workspace vs $(BASE)"
+	@dvc params diff $(BASE) --md
+	@echo "## Metrics: workspace vs $(BASE)"
+	@dvc metrics diff $(BASE) --md
+	@dvc plots diff $(BASE) -o dvc_plots > /dev/null
+	@echo "Plots: dvc_plots/index.html"

@@ -111,6 +111,7 @@ class TrainConfig:
     deterministic: bool = True
     resume: str = "auto"
     checkpoint_dir: str = ".checkpoints"
+    nproc_per_node: Union[int, str] = 1  # noqa: UP007
 
     def __post_init__(self) -> None:
         _choice("train.device", self.device.split(":")[0], ("auto", "cpu", "cuda", "mps"))
@@ -125,6 +126,9 @@ class TrainConfig:
         _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
         _choice("train.schedule", self.schedule, ("cosine", "step", "plateau", "constant"))
         _choice("train.resume", self.resume, ("auto", "never"))
+        _require(self.nproc_per_node == "auto" or (isinstance(self.nproc_per_node, int)
+                 and self.nproc_per_node >= 1), "train.nproc_per_node", self.nproc_per_node,
+                 "use auto (one process per visible GPU) or an integer >= 1")
         _require(self.accumulate >= 1, "train.accumulate", self.accumulate, "must be >= 1")
         for k in ("weight_decay", "clip_grad_norm", "warmup_epochs", "min_lr", "early_stopping_patience",
                   "overfit_batches", "augment_crop_pad", "device_data_budget_mb"):

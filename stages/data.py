@@ -280,18 +280,30 @@ class IndexedDataset(torch.utils.data.Dataset):
         return self.x[i], self.y[i], i
 
 
-class EpochSampler(torch.utils.data.Sampler[int]):
-    """The same (seed, epoch) order as the device path; set_epoch works with persistent workers."""
+def rank_order(n: int, seed: int, epoch: int, shuffle: bool, rank: int = 0,
+               world: int = 1) -> Tensor:
+    """This process's share of the epoch order: every `world`-th sample from `rank`, after
+    dropping the tail that does not divide evenly (every rank must take the same number of
+    steps, or DDP waits forever). The ranks' k-th batches together are exactly the
+    single-process k-th batch of the global batch size."""
+    order = epoch_order(n, seed, epoch) if shuffle else torch.arange(n)
+    return order[: n - n % world][rank::world]
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        self.n, self.seed, self.shuffle, self.epoch = n, seed, shuffle, 0
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """The device path's order for the DataLoader path (sharded like DistributedSampler, with
+    drop_last); set_epoch works with persistent workers."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+        self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        order = epoch_order(self.n, self.seed, self.epoch) if self.shuffle else torch.arange(self.n)
-        return iter(order.tolist())
+        return iter(rank_order(self.n, self.seed, self.epoch, self.shuffle, self.rank,
+                               self.world).tolist())
 
     def __len__(self) -> int:
-        return self.n
+        return self.n // self.world

@@ -6,6 +6,7 @@ it happens, with the reason it is there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from stages.config import TrainConfig
-from stages.data import EpochSampler, IndexedDataset, Split, augment, epoch_order, normalize
+from stages.data import EpochSampler, IndexedDataset, Split, augment, epoch_order, normalize, rank_order
 from stages.files import save_torch, write_text
 
 Log = Callable[[dict[str, float], int], None]
@@ -252,12 +253,22 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
           std: list[float], cfg: TrainConfig, *, lr: float, epochs: int, batch_size: int,
           seed: int, log: Log = no_log, ckpt_dir: Path | None = None,
           resume: dict | None = None, extra_state: dict | None = None,
-          progress: bool | None = None, verbose: bool = True) -> TrainResult:
+          progress: bool | None = None, verbose: bool = True, rank: int = 0,
+          world: int = 1) -> TrainResult:
     """Train `model` in place; returns it with the best weights by validation accuracy.
 
     `progress`: the tqdm bar (default: when stderr is a terminal); `verbose`: a line per epoch.
+    `rank`/`world`: this process in an initialized torch.distributed group (DDP); `batch_size`
+    is then the global batch, split evenly across the processes.
     """
+    distributed = world > 1
+    if batch_size % world:
+        raise ValueError(f"batch_size={batch_size} is the global batch: it must divide evenly "
+                         f"among the {world} processes")
     device = resolve_device(cfg.device)
+    if distributed and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     precision = resolve_precision(cfg.precision, device)
     loader = resolve_loader(cfg, [train_split, val_split])
     amp_dtype = AMP_DTYPES.get(precision)
@@ -282,9 +293,12 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     # measured here, it is together with bf16 that it pays: 3.1x vs 1.2-1.4x for either alone.
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model.to(device, memory_format=fmt)
+    # DDP all-reduces gradients bucket by bucket while the backward pass is still running.
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else None
     # torch.compile fuses kernels; weights are saved from `model`, the uncompiled module.
-    net = torch.compile(model, mode=None if cfg.compile is True else cfg.compile) \
-        if cfg.compile else model
+    net = ddp or model
+    net = torch.compile(net, mode=None if cfg.compile is True else cfg.compile) if cfg.compile else net
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema_decay),
         use_buffers=True) if cfg.ema else None
@@ -302,7 +316,8 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     hflip = cfg.augment_hflip and not cfg.overfit_batches
 
     n = len(train_split.y)
-    sizes = [min(batch_size, n - i) for i in range(0, n, batch_size)]
+    local_bs, per_rank = batch_size // world, n // world
+    sizes = [min(local_bs, per_rank - i) for i in range(0, per_rank, local_bs)]
     if len(sizes) > 1 and sizes[-1] == 1:
         sizes.pop()  # a batch of one breaks BatchNorm's batch statistics
     steps_per_epoch = math.ceil(len(sizes) / cfg.accumulate)
@@ -318,22 +333,22 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
         x_all, y_all = train_split.x.to(device), train_split.y.to(device)
     else:
         workers = resolve_workers(cfg)
-        sampler = EpochSampler(n, seed, shuffle)
+        sampler = EpochSampler(n, seed, shuffle, rank, world)
         dl = torch.utils.data.DataLoader(
-            IndexedDataset(train_split), batch_size=batch_size, sampler=sampler,
+            IndexedDataset(train_split), batch_size=local_bs, sampler=sampler,
             num_workers=workers,
             # Pinned (page-locked) host memory lets the copy below run asynchronously via DMA.
             pin_memory=device.type == "cuda",
             # Workers stay alive across epochs instead of being forked again every epoch.
             persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-            drop_last=sum(sizes) < n,
+            drop_last=sum(sizes) < per_rank,
             # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
             # each epoch, which shifts the dropout masks away from the device path's.
             generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker)
 
     def micro_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         if loader == "device":
-            order = (epoch_order(n, seed, epoch) if shuffle else torch.arange(n)).to(device)
+            order = rank_order(n, seed, epoch, shuffle, rank, world).to(device)
             start = 0
             for size in sizes:
                 idx = order[start:start + size]
@@ -365,8 +380,9 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
         history = list(resume["history"])
         best = {"score": tuple(resume["best"]["score"]), "epoch": resume["best"]["epoch"],
                 "state": resume["best"]["state"]}
-        print(f"resuming from {resume.get('path', 'checkpoint')} at epoch {start_epoch + 1}",
-              file=sys.stderr)
+        if rank == 0:
+            print(f"resuming from {resume.get('path', 'checkpoint')} at epoch {start_epoch + 1}",
+                  file=sys.stderr)
 
     show_bar = sys.stderr.isatty() if progress is None else progress
     last_ckpt: Path | None = Path(resume["path"]) if resume and "path" in resume else None
@@ -393,19 +409,22 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             window = [b for _, b in zip(range(cfg.accumulate), batches, strict=False)]
             window_n = sum(len(y) for _, y, _ in window)
             window_loss = torch.zeros((), device=device)
-            for x, y, idx in window:
+            for i, (x, y, idx) in enumerate(window):
                 # Augmentation keyed by (seed, epoch, sample index), batched on the device.
                 if pad or hflip:
                     x = augment(x, idx, seed, epoch, pad, hflip)
                 x = normalize(x, mean_t, std_t).contiguous(memory_format=fmt)
-                # Autocast runs convs and matmuls in bf16/fp16 and keeps reductions in fp32.
-                with torch.autocast(device.type, amp_dtype or torch.float32,
-                                    enabled=amp_dtype is not None):
-                    logits = net(x)
-                loss = criterion(logits.float(), y)
-                # Weighted by the micro-batch's share of the window: the accumulated gradient
-                # equals one batch of window_n samples, also for a short last window.
-                scaler.scale(loss * (len(y) / window_n)).backward()
+                # DDP: gradients are all-reduced once per window, on its last micro-batch.
+                sync = ddp.no_sync() if ddp and i < len(window) - 1 else contextlib.nullcontext()
+                with sync:
+                    # Autocast runs convs and matmuls in bf16/fp16, reductions in fp32.
+                    with torch.autocast(device.type, amp_dtype or torch.float32,
+                                        enabled=amp_dtype is not None):
+                        logits = net(x)
+                    loss = criterion(logits.float(), y)
+                    # Weighted by the micro-batch's share of the window: the accumulated
+                    # gradient equals one batch of window_n samples, also for a short window.
+                    scaler.scale(loss * (len(y) / window_n)).backward()
                 window_loss += loss.detach() * len(y)
                 correct += (logits.argmax(1) == y).sum()
             loss_sum += window_loss
@@ -433,7 +452,10 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
                 flag_event.synchronize()
                 if flag_host.item():
                     raise NonFiniteLossError(_nonfinite_message(step - 1, epoch, prev_lr, last_ckpt))
-            flag_host.copy_(~torch.isfinite(window_loss), non_blocking=True)
+            bad = (~torch.isfinite(window_loss)).float()
+            if distributed:  # every rank stops at the same step, or the others wait forever
+                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+            flag_host.copy_(bad > 0, non_blocking=True)
             if device.type == "cuda":
                 flag_event = torch.cuda.Event()
                 flag_event.record()
@@ -449,6 +471,15 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             bar.update()
         bar.close()
 
+        if distributed:  # the epoch's figures over all ranks
+            totals = torch.stack([loss_sum, correct.to(loss_sum.dtype)])
+            torch.distributed.all_reduce(totals)
+            loss_sum, correct, seen = totals[0], totals[1], seen * world
+            # BatchNorm statistics are per rank: validate every rank with rank 0's, so they all
+            # see the same val_acc and take the same best-epoch and early-stopping decisions.
+            for module in (model, ema.module if ema is not None else None):
+                for buffer in module.buffers() if module is not None else []:
+                    torch.distributed.broadcast(buffer, 0)
         train_loss = loss_sum.item() / seen  # one sync per epoch
         if not math.isfinite(train_loss):
             raise NonFiniteLossError(_nonfinite_message(step - 1, epoch, step_lr, last_ckpt))
@@ -460,14 +491,14 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
                              channels_last=cfg.channels_last)
         val_loss = F.cross_entropy(val_logits, val_split.y).item()
         val_acc = (val_logits.argmax(1) == val_split.y).float().mean().item()
-        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": correct.item() / seen,
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": float(correct) / seen,
                "val_loss": val_loss, "val_acc": val_acc, "lr": step_lr,
                "grad_norm": grad_norm_sum.item() / steps_per_epoch,
                "samples_per_s": seen / train_s, "epoch_s": time.perf_counter() - t0,
                "peak_mem_mb": _peak_mem_mb(device)}
         history.append(row)
         log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1)
-        if verbose:
+        if verbose and rank == 0:
             print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} "
                   f"train_acc {row['train_acc']:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} "
                   f"lr {step_lr:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
@@ -487,7 +518,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             plateau_scale *= cfg.plateau_factor
         stop = cfg.early_stopping_patience and bad_epochs >= cfg.early_stopping_patience
 
-        if ckpt_dir is not None:
+        if ckpt_dir is not None and rank == 0:
             last_ckpt = save_checkpoint({
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema else None,
@@ -501,8 +532,9 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             }, ckpt_dir, epoch + 1)
         if stop:
             stopped_early = True
-            print(f"early stopping: no val_acc improvement for {bad_epochs} epochs",
-                  file=sys.stderr)
+            if verbose and rank == 0:
+                print(f"early stopping: no val_acc improvement for {bad_epochs} epochs",
+                      file=sys.stderr)
             break
 
     final = ema.module if ema is not None else model

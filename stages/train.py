@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import errno
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from stages import tracking
-from stages.config import ParamsError, flatten, load_params, params_hash, repo_root
+from stages import distributed, tracking
+from stages.config import Params, ParamsError, flatten, load_params, params_hash, repo_root
 from stages.data import load_meta, load_split
 from stages.files import save_torch, write_json, write_text
 from stages.images import DataError
@@ -33,6 +34,18 @@ TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
 
 def main() -> None:
     params = load_params()
+    nproc = distributed.requested_processes(params.train)
+    if nproc > 1 and not distributed.under_torchrun():
+        distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
+    rank, world = distributed.init(params.train)
+    try:
+        train_stage(params, rank, world)
+    finally:
+        distributed.shutdown()
+
+
+def train_stage(params: Params, rank: int, world: int) -> None:
+    """Every process trains; rank 0 alone writes checkpoints, outputs and MLflow."""
     meta = load_meta(PREPARED)
     train_split, val_split = load_split(PREPARED, "train"), load_split(PREPARED, "val")
 
@@ -43,24 +56,32 @@ def main() -> None:
                 and k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
     key = params_hash(decisive, meta["sha256"])
     ckpt_dir = repo_root() / params.train.checkpoint_dir / key
-    if params.train.resume == "never":
+    if params.train.resume == "never" and rank == 0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+    if world > 1:
+        torch.distributed.barrier()  # every rank reads the checkpoints rank 0 left in place
     resume = latest_checkpoint(ckpt_dir)
-    if resume is None:
+    if resume is None and rank == 0:
         _note_other_unfinished_runs(ckpt_dir, decisive)
         write_json(ckpt_dir / "params.json", decisive)
 
     tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
+            "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
             "torch": torch.__version__, "python": platform.python_version(),
-            "params_hash": key, "data_sha256": meta["sha256"], "host": platform.node()}
-    with tracking.start_run(params.mlflow, run_id=resume and resume.get("run_id"),
-                            tags=tags) as run:
+            "params_hash": key, "data_sha256": meta["sha256"], "host": platform.node(),
+            "world_size": world}
+    tracked = tracking.start_run(params.mlflow, run_id=resume and resume.get("run_id"),
+                                 tags=tags) if rank == 0 else \
+        contextlib.nullcontext(tracking.Tracker("(rank 0 tracks)"))
+    with tracked as run:
         if resume is None:
             run.log_params(flatten(params))
         result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
                        lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
                        seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
-                       extra_state={"run_id": run.run_id})
+                       extra_state={"run_id": run.run_id}, rank=rank, world=world)
+        if rank != 0:
+            return
         run.set_tags({"device": result.device, "precision": result.precision,
                       "loader": result.loader})
 
@@ -79,12 +100,13 @@ def main() -> None:
             "train_s": round(result.train_s, 2),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in result.history),
             "num_params": count_params(result.model),
+            "mlflow_run_id": run.run_id or "",
         }
         write_json(OUT / "metrics.json", metrics)
         write_text(OUT / "history.csv", _csv(result.history))
         write_json(OUT / "run.json", {"run_id": run.run_id, "tracking_uri": run.uri,
                                       "device": result.device, "precision": result.precision})
-        run.log_metrics({k: float(v) for k, v in metrics.items()})
+        run.log_metrics({k: float(v) for k, v in metrics.items() if k != "mlflow_run_id"})
         for name in ("metrics.json", "history.csv"):
             run.log_artifact(OUT / name, "train")
 

@@ -95,3 +95,53 @@ def test_exp_run_rejects_unknown_key(repo):
 def test_plots_diff_renders(repo):
     p = run(["dvc", "plots", "diff", "-o", "plots_out"], repo, env=env_with())
     assert (repo / "plots_out/index.html").exists(), p.stdout
+
+
+def test_exp_run_with_two_processes_trains_through_torchrun(repo):
+    p = run(["dvc", "exp", "run", "-S", "train.nproc_per_node=2"], repo, env=env_with())
+    assert "trained cnn" in p.stderr + p.stdout
+    metrics = json.loads((repo / "models/eval/metrics.json").read_text())
+    assert metrics["accuracy"] >= 0.9
+    client, runs = mlflow_runs(repo)
+    assert runs[-1].data.params["train.nproc_per_node"] == "2"
+    assert runs[-1].data.tags["world_size"] == "2" and runs[-1].info.status == "FINISHED"
+
+
+def test_queued_experiments_with_two_workers_all_land_in_the_workspace_store(repo):
+    import time
+
+    _, before = mlflow_runs(repo)
+    env = env_with()
+    run(["dvc", "exp", "run", "--queue", "-S", "lr=0.001,0.003,0.02"], repo, env=env)
+    run(["dvc", "queue", "start", "-j", "2"], repo, env=env)
+    deadline = time.time() + 900
+    while True:
+        status = run(["dvc", "queue", "status"], repo, env=env).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        assert time.time() < deadline, status
+        time.sleep(5)
+    assert status.count("Success") >= 3 and "Failed" not in status, status
+    _, after = mlflow_runs(repo)
+    new = after[len(before):]
+    assert sorted(r.data.params["lr"] for r in new) == ["0.001", "0.003", "0.02"]
+    assert all(r.info.status == "FINISHED" for r in new)
+    for r in new:
+        tags = r.data.tags
+        assert tags["dvc_exp_name"] and tags["git_commit"] and tags["params_hash"]
+        assert tags["dvc_baseline_rev"] == tags["git_commit"]
+        assert r.info.artifact_uri.startswith((repo / "mlartifacts").as_uri())
+    assert not list(repo.glob(".dvc/tmp/exps/**/mlflow.db"))  # never in DVC's temporary copies
+    shown = run(["dvc", "exp", "show", "--json"], repo, env=env).stdout
+    for r in new:
+        assert r.info.run_id in shown  # the MLflow run id is a column of `dvc exp show`
+
+
+def test_ci_report_prints_params_metrics_and_plots(repo):
+    from tests.conftest import VENV_BIN
+
+    p = run(["make", "-s", "ci-report", "BASE=HEAD", f"VENV={VENV_BIN.parent}"], repo,
+            env=env_with())
+    assert "## Params: workspace vs HEAD" in p.stdout and "| lr " in p.stdout
+    assert "## Metrics: workspace vs HEAD" in p.stdout and "accuracy" in p.stdout
+    assert (repo / "dvc_plots/index.html").exists()
