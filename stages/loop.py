@@ -290,7 +290,8 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     mean_t = torch.tensor(mean, device=device)
     std_t = torch.tensor(std, device=device)
     # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout transposes;
-    # measured here, it is together with bf16 that it pays: 3.1x vs 1.2-1.4x for either alone.
+    # it pays together with bf16: `make bench` here, CIFAR-sized, bf16 alone 1.9x the samples/s
+    # of the standard loop, with channels_last and device-resident data 2.4x.
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     model.to(device, memory_format=fmt)
     # DDP all-reduces gradients bucket by bucket while the backward pass is still running.
@@ -384,7 +385,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
             print(f"resuming from {resume.get('path', 'checkpoint')} at epoch {start_epoch + 1}",
                   file=sys.stderr)
 
-    show_bar = sys.stderr.isatty() if progress is None else progress
+    show_bar = (sys.stderr.isatty() if progress is None else progress) and rank == 0
     last_ckpt: Path | None = Path(resume["path"]) if resume and "path" in resume else None
     stopped_early = False
     flag_host = torch.zeros((), dtype=torch.bool, pin_memory=device.type == "cuda")
