@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import hashlib
 import json
 import os
+import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -24,8 +27,25 @@ SOURCES = ("digits", "folder", "cifar10", "mnist", "fashion_mnist")
 ARCHS = ("cnn", "resnet18")
 
 
-class ParamsError(ValueError):
+class UserError(Exception):
+    """A problem the user can fix: a stage prints its message, not a traceback, and exits 1."""
+
+
+class ParamsError(UserError, ValueError):
     """A params.yaml problem; the message names the key and says how to fix it."""
+
+
+def run_stage(main: Callable[[], None]) -> None:
+    """A stage's entry point: a user error, a missing input or a full disk ends it with one
+    line that says what to do."""
+    try:
+        main()
+    except (UserError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        sys.exit(f"error: {e.strerror}")
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:

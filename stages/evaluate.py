@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from stages import tracking
-from stages.config import ParamsError, load_params
+from stages.config import load_params, run_stage
 from stages.data import load_split
 from stages.files import write_json
 from stages.loop import predict, resolve_device
-from stages.models import CheckpointRefused, load_trained
+from stages.models import load_trained
 from stages.report import (
     classification_metrics,
     plot_confusion,
@@ -61,7 +60,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ParamsError, FileNotFoundError, CheckpointRefused) as e:
-        sys.exit(f"error: {e}")
+    run_stage(main)

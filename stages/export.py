@@ -7,17 +7,16 @@ Each format is checked against eager PyTorch on real test images at two batch si
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from stages import tracking
-from stages.config import ParamsError, load_params
+from stages.config import load_params, run_stage
 from stages.data import load_split, normalize
 from stages.files import atomic_write, write_json
-from stages.models import CheckpointRefused, load_trained
+from stages.models import load_trained
 
 PREPARED = Path("data/prepared")
 TRAIN = Path("models/train")
@@ -115,7 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ParamsError, FileNotFoundError, CheckpointRefused) as e:
-        sys.exit(f"error: {e}")
+    run_stage(main)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import errno
+import io
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,14 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 def write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
+
+
+def write_csv(path: str | Path, header: list[str], rows: Iterable[Sequence]) -> Path:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    return write_text(path, buf.getvalue())
 
 
 def save_torch(path: str | Path, obj: Any) -> Path:

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
+from stages.config import UserError
+
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with the user's data; the message names the file or folder and the fix."""
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from stages.config import TrainConfig
+from stages.config import TrainConfig, UserError
 from stages.data import EpochSampler, IndexedDataset, Split, augment, epoch_order, normalize, rank_order
 from stages.files import save_torch, write_text
 
@@ -36,7 +36,7 @@ def no_log(metrics: dict[str, float], step: int) -> None:
     pass
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     pass
 
 
@@ -156,7 +156,7 @@ def save_checkpoint(state: dict, ckpt_dir: Path, epoch: int, keep: int = 2) -> P
     return path
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 
@@ -222,7 +222,7 @@ class TrainResult:
     train_s: float = 0.0
 
 
-class OutOfMemory(RuntimeError):
+class OutOfMemory(UserError, RuntimeError):
     pass
 
 

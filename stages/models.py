@@ -7,7 +7,7 @@ import pickle
 import torch
 from torch import nn
 
-from stages.config import ARCHS, ModelConfig
+from stages.config import ARCHS, ModelConfig, UserError
 
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
@@ -50,7 +50,7 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class CheckpointRefused(ValueError):
+class CheckpointRefused(UserError, ValueError):
     pass
 
 

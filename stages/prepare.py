@@ -7,14 +7,12 @@ Sources: `digits` (scikit-learn, offline), `folder` (class sub-folders of images
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from stages.config import ParamsError, load_params
+from stages.config import load_params, run_stage
 from stages.data import (
     SPLITS,
     Split,
@@ -28,7 +26,7 @@ from stages.data import (
     save_prepared,
     stratified_split,
 )
-from stages.files import write_text
+from stages.files import write_csv
 from stages.images import DataError
 
 OUT = Path("data/prepared")
@@ -86,8 +84,8 @@ def main() -> None:
     meta["rejected"] = len(rejected)
     meta["duplicates_across_splits"] = len(leaks)
     save_prepared(OUT, splits, meta)
-    _write_csv(OUT / "rejected.csv", ["path", "reason"], rejected)
-    _write_csv(OUT / "leakage.csv", ["sha256", "split", "path"],
+    write_csv(OUT / "rejected.csv", ["path", "reason"], rejected)
+    write_csv(OUT / "leakage.csv", ["sha256", "split", "path"],
                [(d, s, p) for d, v in leaks.items() for s, p in v])
     for scratch in OUT.glob(".*.npy"):
         scratch.unlink()
@@ -102,16 +100,5 @@ def main() -> None:
               f"listed in {OUT / 'leakage.csv'}", file=sys.stderr)
 
 
-def _write_csv(path: Path, header: list[str], rows: list) -> None:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    w.writerows(rows)
-    write_text(path, buf.getvalue())
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except (ParamsError, DataError) as e:
-        sys.exit(f"error: {e}")
+    run_stage(main)

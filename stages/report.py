@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stages.files import atomic_write, write_text
+from stages.files import atomic_write, write_csv
 
 
 def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tuple[dict, dict]:
@@ -35,11 +33,8 @@ def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tup
 
 def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
     """One row per test sample (actual, predicted), the shape DVC's confusion template reads."""
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["actual", "predicted"])
-    w.writerows((classes[a], classes[b]) for a, b in zip(y.tolist(), pred.tolist(), strict=True))
-    write_text(path, buf.getvalue())
+    write_csv(path, ["actual", "predicted"],
+              ((classes[a], classes[b]) for a, b in zip(y.tolist(), pred.tolist(), strict=True)))
 
 
 def _save_figure(fig, path: Path) -> None:

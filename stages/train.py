@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import csv
 import dataclasses
-import errno
-import io
 import json
 import os
 import platform
@@ -18,11 +15,10 @@ from pathlib import Path
 import torch
 
 from stages import distributed, tracking
-from stages.config import Params, ParamsError, flatten, load_params, params_hash, repo_root
+from stages.config import Params, flatten, load_params, params_hash, repo_root, run_stage
 from stages.data import load_meta, load_split
-from stages.files import save_torch, write_json, write_text
-from stages.images import DataError
-from stages.loop import CheckpointError, NonFiniteLossError, OutOfMemory, latest_checkpoint, train
+from stages.files import save_torch, write_csv, write_json
+from stages.loop import latest_checkpoint, train
 from stages.models import build_model, count_params
 
 PREPARED = Path("data/prepared")
@@ -103,7 +99,9 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             "mlflow_run_id": run.run_id or "",
         }
         write_json(OUT / "metrics.json", metrics)
-        write_text(OUT / "history.csv", _csv(result.history))
+        write_csv(OUT / "history.csv", list(result.history[0]),
+                  ([round(v, 6) if isinstance(v, float) else v for v in r.values()]
+                   for r in result.history))
         write_json(OUT / "run.json", {"run_id": run.run_id, "tracking_uri": run.uri,
                                       "device": result.device, "precision": result.precision})
         run.log_metrics({k: float(v) for k, v in metrics.items() if k != "mlflow_run_id"})
@@ -129,21 +127,5 @@ def _note_other_unfinished_runs(ckpt_dir: Path, decisive: dict) -> None:
               f"{other.parent} ({diff}). Restore those params to resume it.", file=sys.stderr)
 
 
-def _csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    w.writeheader()
-    w.writerows({k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    return buf.getvalue()
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except (ParamsError, FileNotFoundError, NonFiniteLossError, CheckpointError, OutOfMemory,
-            DataError) as e:
-        sys.exit(f"error: {e}")
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        sys.exit(f"error: {e.strerror}")
+    run_stage(main)
