@@ -84,3 +84,9 @@ def test_flatten_names_match_yaml():
     assert flat["train.warmup_epochs"] == Params().train.warmup_epochs
     assert flat["lr"] == Params().lr
     assert all(not dataclasses.is_dataclass(v) for v in flat.values())
+
+
+def test_every_param_is_explained_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    missing = [k for k in flatten(Params()) if f"| `{k}` |" not in readme]
+    assert not missing, f"document these params in README.md: {missing}"
