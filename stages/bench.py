@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from stages.config import TrainConfig, load_params
+from stages.config import DataConfig, TrainConfig, load_params
 from stages.data import Split, build_meta, load_digits, load_meta, load_split, resize, stratified_split
 from stages.files import atomic_write, write_json, write_text
 from stages.loop import resolve_device, resolve_precision, train
@@ -83,7 +83,8 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def datasets(names: list[str], n: int, synthetic_size: int, seed: int) -> dict:
+def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
+             data_cfg: DataConfig) -> dict:
     """name -> (train, val, mean, std, channels, classes): digits, CIFAR-sized noise, data/prepared."""
     out = {}
     g = torch.Generator().manual_seed(seed)
@@ -95,7 +96,7 @@ def datasets(names: list[str], n: int, synthetic_size: int, seed: int) -> dict:
         tr = Split(x[idx], y[idx])
         val = Split(x[parts["val"]][:64], y[parts["val"]][:64])
         meta = build_meta({"train": tr, "val": val, "test": val}, [str(i) for i in range(10)],
-                          dataclasses.replace(load_params().data, image_size=16, channels=1))
+                          dataclasses.replace(data_cfg, image_size=16, channels=1))
         out["digits"] = (tr, val, meta["mean"], meta["std"], 1, 10)
     if "prepared" in names:  # the train stage's own data: `dvc repro prepare` first
         meta = load_meta(PREPARED)
@@ -131,7 +132,7 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
     device = resolve_device(base_cfg.device)
     n = steps * batch_size * max(ROWS[r][1] for r in rows)
     results, widths = [], {}
-    for name, data in datasets(names, n, synthetic_size, params.seed).items():
+    for name, data in datasets(names, n, synthetic_size, params.seed, params.data).items():
         torch.manual_seed(params.seed)
         # The same initial weights in every row. CIFAR-sized images get a CIFAR-sized width.
         model_cfg = params.model if name != "cifar" else \

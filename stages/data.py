@@ -117,9 +117,9 @@ def assign_splits(classes: list[str], files: dict[str | None, list[tuple[Path, i
 
 
 def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
-                 scratch: Path) -> tuple[Split, list[tuple[str, str]], list[str]]:
+                 scratch: Path) -> tuple[Split, list[tuple[str, str]], list[tuple[str, str]]]:
     """Decode into a memory-mapped uint8 file, so memory stays bounded for any dataset size.
-    Returns the split, the rejected (path, reason) and the sha256 of each accepted file."""
+    Returns the split, the rejected (path, reason) and the accepted (path, sha256)."""
     from tqdm import tqdm
 
     shape = (len(items), cfg.channels, cfg.image_size, cfg.image_size)
@@ -134,7 +134,7 @@ def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
             continue
         x[len(labels)] = img
         labels.append(label)
-        digests.append(digest)
+        digests.append((str(path), digest))
     x.flush()
     return Split(torch.from_numpy(x[:len(labels)]), torch.tensor(labels, dtype=torch.int64)), \
         rejected, digests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -53,13 +54,15 @@ def to_mode(img: Image.Image, mode: str) -> Image.Image:
     return img.convert(mode)
 
 
-def decode_image(path: str | Path, channels: int, size: int, resize: str) -> np.ndarray:
-    """uint8 (C, size, size). Raises DataError with the reason for an unreadable file."""
-    path = Path(path)
-    if path.stat().st_size == 0:
+def decode_image(source: str | Path | bytes, channels: int, size: int,
+                 resize: str) -> np.ndarray:
+    """uint8 (C, size, size) from a file or its bytes. Raises DataError with the reason for an
+    unreadable file."""
+    empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
+    if empty:
         raise DataError("empty file (0 bytes)")
     try:
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
             img.load()  # decode it all now: a truncated file fails here, never padded silently
             img = ImageOps.exif_transpose(img)
             img = to_mode(img, "L" if channels == 1 else "RGB")
@@ -75,8 +78,8 @@ def decode_image(path: str | Path, channels: int, size: int, resize: str) -> np.
 def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str, str]:
     path, channels, size, resize = args
     try:
-        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        return decode_image(path, channels, size, resize), "", digest
+        data = Path(path).read_bytes()  # read once: hashed for leakage, then decoded
+        return decode_image(data, channels, size, resize), "", hashlib.sha256(data).hexdigest()
     except (DataError, OSError) as e:
         return None, str(e), ""
 

@@ -51,11 +51,10 @@ def from_folder(cfg, seed: int) -> tuple[dict[str, Split], list[str], list, dict
     splits, rejected, seen = {}, [], defaultdict(list)
     for name in SPLITS:
         scratch = OUT / f".{name}.npy"
-        splits[name], bad, digests = decode_split(items[name], cfg, workers, scratch)
+        splits[name], bad, accepted = decode_split(items[name], cfg, workers, scratch)
         rejected += bad
-        ok = [p for p, _ in items[name] if str(p) not in {b for b, _ in bad}]
-        for path, digest in zip(ok, digests, strict=True):
-            seen[digest].append((name, str(path)))
+        for path, digest in accepted:
+            seen[digest].append((name, path))
     total = sum(len(v) for v in items.values())
     if total and len(rejected) / total > cfg.max_rejected_fraction:
         listing = "; ".join(f"{p}: {r}" for p, r in rejected[:5])
