@@ -17,7 +17,6 @@ import datetime
 import platform
 import statistics
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -43,44 +42,46 @@ ROWS: dict[str, tuple[dict, int]] = {  # name: (train overrides, batch-size mult
 }
 QUICK_SKIPS = ("optimized_compile",)  # compiling takes 20-50 s on 2 CPU cores
 DATASETS = ("digits", "cifar", "prepared")
+# Rounds of one row further apart than this (max - min over median) mean the machine was busy
+# with something else during the run: the report says so instead of printing a confident ratio.
+NOISY_SPREAD = 0.25
 PREPARED = Path("data/prepared")
 
 
 class PeakRSS:
-    """Peak resident memory above the starting level, sampled every 2 ms (the CPU's measure).
+    """Peak resident memory of this process above its starting level (the CPU's measure).
 
-    glibc keeps freed memory for reuse, so the previous row's peak would hide this one's:
-    malloc_trim hands it back to the OS first, and the increase is this row's working set."""
+    The kernel tracks the peak itself (VmHWM), and writing 5 to /proc/self/clear_refs resets it:
+    exact and free, where a sampling thread would miss short peaks and, worse, steal a core from
+    the 2 compute threads and slow the very rows it measures. glibc keeps freed memory for reuse,
+    so the previous row's peak would hide this one's: malloc_trim hands it back to the OS first.
+    `mb` is None where the kernel does not allow the reset."""
 
-    def __init__(self):
+    def __enter__(self):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc: the figure is then a lower bound
             pass
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self):
-        self._thread.start()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.base = self._status("VmRSS")
+        except OSError:
+            self.base = None
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        self.peak = self._status("VmHWM") if self.base is not None else None
+
+    @staticmethod
+    def _status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise OSError(f"/proc/self/status has no {key}")
 
     @property
-    def mb(self) -> float:
-        return (self.peak - self.base) / 2**20
+    def mb(self) -> float | None:
+        return None if self.base is None else (self.peak - self.base) / 2**20
 
 
 def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
@@ -163,9 +164,11 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
                 "dataset": name, "name": row, "batch_size": batch_size * ROWS[row][1],
                 "samples_per_s": statistics.median(sps),
                 "epoch_s": statistics.median(m["train_s"] for m in ms),
-                "peak_mem_mb": statistics.median(m["peak_mem_mb"] for m in ms),
+                "peak_mem_mb": None if None in (mem := [m["peak_mem_mb"] for m in ms])
+                else statistics.median(mem),
                 "ratio": statistics.median(sps) / ref,
                 "min_samples_per_s": min(sps), "max_samples_per_s": max(sps),
+                "noisy": (max(sps) - min(sps)) / statistics.median(sps) > NOISY_SPREAD,
                 # Compilation happens once, in the warm-up round's first epoch.
                 "compile_s": warmup[row]["first_train_s"] - statistics.median(
                     m["train_s"] for m in ms) if compiled else None,
@@ -181,7 +184,8 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
                      "synthetic_size": synthetic_size, "datasets": names,
                      "model": f"{params.model.arch}, width per dataset {widths}"},
         "memory": "CUDA max_memory_allocated" if device.type == "cuda"
-        else "peak RSS increase of the process during the row, sampled every 2 ms",
+        else "peak RSS increase of the main process during the row (the kernel's VmHWM, reset "
+        "per row; DataLoader worker processes not included)",
         "rows": results,
     }
 
@@ -200,10 +204,17 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for r in (r for r in report["rows"] if r["dataset"] == name):
             comp = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "-"
+            mem = f"{r['peak_mem_mb']:.0f} MB" if r["peak_mem_mb"] is not None else "-"
             lines.append(f"| {r['name']} (batch {r['batch_size']}) | {r['epoch_s']:.2f} s | "
-                         f"{r['peak_mem_mb']:.0f} MB | {r['samples_per_s']:.0f} | "
+                         f"{mem} | {r['samples_per_s']:.0f} | "
                          f"{r['ratio']:.2f}x | {r['min_samples_per_s']:.0f}.."
                          f"{r['max_samples_per_s']:.0f} | {comp} |")
+        noisy = [r["name"] for r in report["rows"] if r["dataset"] == name and r["noisy"]]
+        if noisy:
+            lines += ["", f"Noisy: {', '.join(noisy)} varied by more than "
+                      f"{NOISY_SPREAD:.0%} of the median between rounds, so something else was "
+                      "using this machine; their ratios are uncertain. Rerun with more `--rounds`, "
+                      "or on a quiet machine, before trusting them."]
         lines.append("")
     return "\n".join(lines)
 
@@ -238,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     ap.add_argument("--datasets", default="digits,cifar",
                     help="digits, cifar (synthetic 32x32x3) and/or prepared (data/prepared)")
-    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 3, quick 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5, quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per epoch (default 20, quick 6)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--synthetic-size", type=int, default=32, help="side of the synthetic images")
@@ -256,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [d for d in args.datasets.split(",") if d]
     if not set(names) <= set(DATASETS) or not names:
         ap.error(f"--datasets {args.datasets!r}: choose from {', '.join(DATASETS)}")
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
     steps = args.steps or (6 if args.quick else 20)
 
     report = bench(rows, names, rounds, steps, args.batch_size, args.synthetic_size,

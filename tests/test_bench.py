@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import sys
 
-from stages.bench import QUICK_SKIPS, ROWS
+import pytest
+import torch
+
+from stages.bench import NOISY_SPREAD, QUICK_SKIPS, ROWS, PeakRSS, markdown
 from tests.conftest import ROOT, env_with, run
 
 
@@ -23,7 +26,7 @@ def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
         assert [r["name"] for r in rows if r["dataset"] == dataset] == expected
     for r in rows:
         assert {"name", "samples_per_s", "epoch_s", "peak_mem_mb", "ratio", "min_samples_per_s",
-                "max_samples_per_s", "compile_s"} <= set(r)
+                "max_samples_per_s", "compile_s", "noisy"} <= set(r)
         assert r["samples_per_s"] > 0 and r["min_samples_per_s"] <= r["max_samples_per_s"]
     assert all(r["ratio"] == 1.0 for r in rows if r["name"] == "standard")
     text = (out / "report.md").read_text()
@@ -35,3 +38,32 @@ def test_unknown_row_is_refused():
     p = run([sys.executable, "-m", "stages.bench", "--rows", "standard,turbo"], ROOT,
             env=env_with(PYTHONPATH=str(ROOT)), check=False)
     assert p.returncode == 2 and "unknown rows ['turbo']" in p.stderr
+
+
+def test_peak_memory_is_the_rows_own_peak_not_an_earlier_ones():
+    with PeakRSS() as big:
+        x = torch.ones(50_000_000)  # 191 MiB, freed before the block ends
+        del x
+    with PeakRSS() as small:
+        x = torch.ones(10_000_000)  # 38 MiB
+        del x
+    if big.mb is None:
+        pytest.skip("this kernel does not allow resetting the peak (/proc/self/clear_refs)")
+    assert 180 < big.mb < 260
+    # The kernel's peak was reset: the earlier 191 MiB does not show through.
+    assert 30 < small.mb < 100
+
+
+def test_report_warns_about_rows_whose_rounds_disagree():
+    def row(name, lo, med, hi):
+        return {"dataset": "cifar", "name": name, "batch_size": 32, "epoch_s": 1.0,
+                "peak_mem_mb": 10.0, "samples_per_s": med, "ratio": med / 200,
+                "min_samples_per_s": lo, "max_samples_per_s": hi, "compile_s": None,
+                "noisy": (hi - lo) / med > NOISY_SPREAD}
+    report = {"date": "2026-11-29", "device": "cpu", "device_name": "x86_64", "torch": "2",
+              "threads": 2, "precision_auto": "bf16", "memory": "RSS",
+              "settings": {"steps": 20, "batch_size": 32, "rounds": 5, "model": "cnn"},
+              "rows": [row("standard", 190, 200, 210), row("optimized", 400, 560, 750)]}
+    text = markdown(report)
+    assert "Noisy: optimized varied by more than 25%" in text
+    assert "Noisy: standard" not in text and "standard, optimized" not in text
