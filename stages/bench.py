@@ -10,6 +10,7 @@ figure (compilation is reported in its own column). One warm-up round is discard
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -24,7 +25,7 @@ import torch
 from stages.config import DataConfig, TrainConfig, load_params
 from stages.data import Split, build_meta, load_digits, load_meta, load_split, resize, stratified_split
 from stages.files import atomic_write, write_json, write_text
-from stages.loop import resolve_device, resolve_precision, train
+from stages.loop import proc_status_mb, reset_peak_mem, resolve_device, resolve_precision, train
 from stages.models import build_model
 
 # The article's rows. `standard` is a textbook loop: DataLoader in the main process, fp32,
@@ -46,42 +47,6 @@ DATASETS = ("digits", "cifar", "prepared")
 # with something else during the run: the report says so instead of printing a confident ratio.
 NOISY_SPREAD = 0.25
 PREPARED = Path("data/prepared")
-
-
-class PeakRSS:
-    """Peak resident memory of this process above its starting level (the CPU's measure).
-
-    The kernel tracks the peak itself (VmHWM), and writing 5 to /proc/self/clear_refs resets it:
-    exact and free, where a sampling thread would miss short peaks and, worse, steal a core from
-    the 2 compute threads and slow the very rows it measures. glibc keeps freed memory for reuse,
-    so the previous row's peak would hide this one's: malloc_trim hands it back to the OS first.
-    `mb` is None where the kernel does not allow the reset."""
-
-    def __enter__(self):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc: the figure is then a lower bound
-            pass
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.base = self._status("VmRSS")
-        except OSError:
-            self.base = None
-        return self
-
-    def __exit__(self, *exc):
-        self.peak = self._status("VmHWM") if self.base is not None else None
-
-    @staticmethod
-    def _status(key: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise OSError(f"/proc/self/status has no {key}")
-
-    @property
-    def mb(self) -> float | None:
-        return None if self.base is None else (self.peak - self.base) / 2**20
 
 
 def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
@@ -116,14 +81,22 @@ def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
 def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int) -> dict:
     tr, val, mean, std = data[:4]
     device = resolve_device(cfg.device)
-    with PeakRSS() as rss:
-        result = train(model, tr, val, mean, std, cfg, lr=lr, epochs=2, batch_size=batch_size,
-                       seed=seed, progress=False, verbose=False)
+    # On the CPU the row's figure is its peak resident memory above the level before it. glibc
+    # keeps freed memory for reuse, which would count the previous row's peak as this row's
+    # starting level: malloc_trim hands it back to the OS first.
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the base is then higher
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = proc_status_mb("VmRSS") if reset_peak_mem(device) else None
+    result = train(model, tr, val, mean, std, cfg, lr=lr, epochs=2, batch_size=batch_size,
+                   seed=seed, progress=False, verbose=False)
     first, second = result.history
+    # train() restarts the peak every epoch: this is the timed second epoch's.
+    peak = second["peak_mem_mb"]
     return {"samples_per_s": second["samples_per_s"],
             "train_s": len(tr.y) / second["samples_per_s"],
             "first_train_s": len(tr.y) / first["samples_per_s"],
-            "peak_mem_mb": second["peak_mem_mb"] if device.type == "cuda" else rss.mb}
+            "peak_mem_mb": peak if device.type == "cuda" else
+            None if base is None else peak - base}
 
 
 def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size: int,
@@ -184,8 +157,8 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
                      "synthetic_size": synthetic_size, "datasets": names,
                      "model": f"{params.model.arch}, width per dataset {widths}"},
         "memory": "CUDA max_memory_allocated" if device.type == "cuda"
-        else "peak RSS increase of the main process during the row (the kernel's VmHWM, reset "
-        "per row; DataLoader worker processes not included)",
+        else "peak RSS of the main process in the timed epoch above its level before the row "
+        "(the kernel's VmHWM, reset per epoch; DataLoader worker processes not included)",
         "rows": results,
     }
 

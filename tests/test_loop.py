@@ -11,7 +11,15 @@ from torch import nn
 
 from stages.config import ModelConfig, TrainConfig
 from stages.data import Split
-from stages.loop import NonFiniteLossError, latest_checkpoint, lr_at, train
+from stages.loop import (
+    NonFiniteLossError,
+    latest_checkpoint,
+    lr_at,
+    peak_mem_mb,
+    proc_status_mb,
+    reset_peak_mem,
+    train,
+)
 from stages.models import build_model
 from tests.conftest import ROOT
 
@@ -217,3 +225,21 @@ def test_train_config_fields_are_documented():
     readme = (ROOT / "README.md").read_text()
     for f in dataclasses.fields(TrainConfig):
         assert f"`train.{f.name}`" in readme, f.name
+
+
+def test_cpu_peak_memory_restarts_so_an_earlier_peak_does_not_show_through():
+    cpu = torch.device("cpu")
+
+    def peak_above_start(numel: int) -> float:
+        if not reset_peak_mem(cpu):
+            pytest.skip("this kernel does not allow resetting the peak (/proc/self/clear_refs)")
+        start = proc_status_mb("VmRSS")
+        x = torch.ones(numel)
+        del x
+        return peak_mem_mb(cpu) - start
+
+    big = peak_above_start(50_000_000)  # 191 MiB, freed before the peak is read
+    small = peak_above_start(10_000_000)  # 38 MiB
+    assert 180 < big < 260
+    # The kernel's peak was reset: the earlier 191 MiB does not show through.
+    assert 30 < small < 100
