@@ -271,9 +271,17 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of keys to values")
-    _check(raw, Params)
-    merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
-    return OmegaConf.to_object(merged)  # runs every __post_init__ range check
+    try:
+        _check(raw, Params)
+        merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
+        return OmegaConf.to_object(merged)  # runs every __post_init__ range check
+    except ParamsError as e:
+        # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
+        # every later `dvc repro` would fail on it too.
+        if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
+            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}; "
+                              f"`git checkout {path}` restores the committed values") from None
+        raise
 
 
 def flatten(params: Params) -> dict[str, Any]:

@@ -1,14 +1,14 @@
-"""Stage evaluate: models/train/ + the test split -> models/eval/ (metrics, confusion, PNGs)."""
+"""Stage evaluate: models/train/ + the test split -> models/eval/ (metrics, per-class table,
+confusion rows, PNGs)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from stages import tracking
-from stages.config import load_params, run_stage
+from stages.config import flatten, load_params, run_stage
 from stages.data import load_split
 from stages.files import write_json
 from stages.loop import predict, resolve_device
@@ -18,6 +18,7 @@ from stages.report import (
     plot_confusion,
     plot_misclassified,
     write_confusion_csv,
+    write_per_class_csv,
 )
 
 PREPARED = Path("data/prepared")
@@ -40,19 +41,19 @@ def main() -> None:
     metrics, per_class = classification_metrics(logits, test.y, classes)
 
     write_json(OUT / "metrics.json", metrics)
-    write_json(OUT / "per_class.json", per_class)
+    write_per_class_csv(OUT / "per_class.csv", per_class)
     write_confusion_csv(OUT / "confusion.csv", test.y, pred, classes)
     plot_confusion(OUT / "confusion.png", test.y, pred, classes)
     plot_misclassified(OUT / "misclassified.png", test.x, test.y, pred, classes,
                        params.eval.misclassified_max)
 
-    run_id = json.loads((TRAIN / "run.json").read_text())["run_id"]
-    with tracking.reopen_run(params.mlflow, run_id) as run:
-        flat = {f"eval.{k}": v for k, v in metrics.items()}
-        flat.update({f"eval.{c}.{m}": v for c, d in per_class.items()
-                     for m, v in d.items() if m != "support"})
-        run.log_metrics(flat)
-        for name in ("metrics.json", "per_class.json", "confusion.csv", "confusion.png",
+    # Per-class figures are one table (per_class.csv, shown as a table in the UI), not
+    # metrics: 30 charts of them would bury the curves.
+    with tracking.experiment_run(params.mlflow, flatten(params), TRAIN) as run:
+        # The test-set size is a fact, not a figure to chart.
+        run.log_metrics({k: v for k, v in metrics.items() if k != "n"}, prefix="eval/")
+        run.set_tags({"eval.n": metrics["n"]})
+        for name in ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png",
                      "misclassified.png"):
             run.log_artifact(OUT / name, "eval")
     print(f"test accuracy {metrics['accuracy']:.4f}, macro_f1 {metrics['macro_f1']:.4f}, "

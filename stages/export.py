@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from stages import tracking
-from stages.config import load_params, run_stage
+from stages.config import flatten, load_params, run_stage
 from stages.data import load_split, normalize
 from stages.files import atomic_write, write_json
 from stages.models import load_trained
@@ -38,7 +38,14 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset
 def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
     batch = torch.export.Dim("batch", min=1, max=65536)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    atomic_write(path, lambda p: torch.export.save(program, str(p)))
+
+    def write(p: Path) -> None:
+        # Through a file object: given a path, the archive's inner folder is named after the
+        # (random) temp file, and the same program would never give the same bytes.
+        with open(p, "wb") as f:
+            torch.export.save(program, f)
+
+    atomic_write(path, write)
 
 
 def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
@@ -94,14 +101,14 @@ def main() -> None:
         "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
         "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
-        "run_id": ckpt["run_id"],
     })
 
-    run_id = json.loads((TRAIN / "run.json").read_text())["run_id"]
-    with tracking.reopen_run(params.mlflow, run_id) as run:
+    with tracking.experiment_run(params.mlflow, flatten(params), TRAIN) as run:
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(OUT / name, "export")
-        info = run.log_pytorch_model(model, example.numpy()) if cfg.log_model else None
+        # Named after what it is (`cnn-digits`), not MLflow's default `model`.
+        name = f"{ckpt['model_params']['arch']}-{params.data.source}"
+        info = run.log_pytorch_model(model, example.numpy(), name) if cfg.log_model else None
         if cfg.register_as and info is not None:
             accuracy = json.loads((EVAL / "metrics.json").read_text())["accuracy"]
             reg = run.register(info.model_uri, cfg.register_as, accuracy)

@@ -31,6 +31,13 @@ def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tup
     return summary, per_class
 
 
+def write_per_class_csv(path: Path, per_class: dict[str, dict]) -> None:
+    """One row per class: a table in `git diff`, in DVC and in the MLflow UI's artifact view."""
+    write_csv(path, ["class", "precision", "recall", "f1", "support"],
+              ([c, *(round(d[k], 6) for k in ("precision", "recall", "f1")), d["support"]]
+               for c, d in per_class.items()))
+
+
 def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
     """One row per test sample (actual, predicted), the shape DVC's confusion template reads."""
     write_csv(path, ["actual", "predicted"],

@@ -1,13 +1,21 @@
 """MLflow tracking; the only module that imports mlflow.
 
-One MLflow run per trained model: train opens it, evaluate and export reopen it by the id in
-models/train/run.json. Tracking never crashes training: when the store is unreachable, the
-stage warns once and goes on with a no-op tracker; the DVC outputs are written all the same.
+One experiment, one MLflow run, never another's. Train opens a run and leaves its id, with the
+MD5 of the model it wrote and the DVC experiment's name, in models/train/run.json (not a DVC
+output). Evaluate and export log into that run when both still match; otherwise (training was
+restored from DVC's run-cache, or belongs to another experiment) they open a run of their own,
+named after the experiment and linked to the run that trained the model (tag
+`training_run_id`). Tracking never crashes training: when the store is unreachable, the stage
+warns once and goes on with a no-op tracker; the DVC outputs are written all the same.
 """
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,10 +26,43 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import MlflowConfig, repo_root
+from stages.files import write_json
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+RUN_FILE = "run.json"
+# MLflow's chart view groups metrics by the part of the name before the first `/`.
+METRIC_NAMES = {
+    "train_loss": "train/loss", "train_acc": "train/acc", "lr": "train/lr",
+    "grad_norm": "train/grad_norm", "train_loss_step": "train/loss_step",
+    "lr_step": "train/lr_step", "epochs_run": "train/epochs_run",
+    "val_loss": "val/loss", "val_acc": "val/acc", "best_val_acc": "val/best_acc",
+    "best_val_loss": "val/best_loss", "best_epoch": "val/best_epoch",
+    "samples_per_s": "perf/samples_per_s", "epoch_s": "perf/epoch_s",
+    "peak_mem_mb": "perf/peak_mem_mb", "train_s": "perf/train_s",
+    "num_params": "model/num_params",
+}
+# MLflow 3.17's UI opens experiments in GenAI mode (Traces, Latency, Token Usage) and its runs
+# table with no params or metrics. The experiment says it is model training, and carries a
+# shared view of the runs table with the columns worth comparing; `make ui` prints its URL.
+VIEW = "reprotrain"
+VIEW_COLUMNS = ["attributes.`Duration`", "params.`lr`", "params.`epochs`", "params.`batch_size`",
+                "metrics.`eval/accuracy`", "metrics.`eval/macro_f1`", "metrics.`eval/loss`",
+                "metrics.`val/best_acc`"]
+EXPERIMENT_TAGS = {
+    "mlflow.experimentKind": "custom_model_development",
+    f"mlflow.sharedViewState.{VIEW}": json.dumps({"selectedColumns": VIEW_COLUMNS,
+                                                  "orderByKey": "attributes.start_time",
+                                                  "orderByAsc": False}),
+}
+
+
+def metric_name(key: str) -> str:
+    """The MLflow name of a metric: grouped, and with every character MLflow refuses (a class
+    folder may be called `a,b` or `c+d`) replaced by `_`."""
+    return re.sub(r"[^\w\-. :/]", "_", METRIC_NAMES.get(key, key), flags=re.ASCII)
 
 
 def tracking_uri(cfg: MlflowConfig) -> str:
@@ -58,6 +99,23 @@ def git_commit() -> str:
         return ""
 
 
+def exp_name() -> str | None:
+    """The DVC experiment being run (`dvc exp run`, also queued and --temp), or None for
+    `dvc repro` and direct runs."""
+    return os.environ.get("DVC_EXP_NAME") or None
+
+
+def run_name() -> str:
+    """The MLflow run is named after the DVC experiment, so `dvc exp show` and the UI agree."""
+    return exp_name() or f"workspace@{git_commit()[:7] or 'nogit'}"
+
+
+def _md5(path: Path) -> str:
+    """The hash DVC records for the file in dvc.lock: a run is found from `dvc exp show`."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
 class Tracker:
     """Logs into one MLflow run; every call is a no-op once tracking has failed."""
 
@@ -79,12 +137,35 @@ class Tracker:
         """The loop's `log`: asynchronous, since a synchronous sqlite write costs ~18 ms here."""
         import mlflow
 
-        self._call(mlflow.log_metrics, metrics, step=step, synchronous=False)
+        self._call(mlflow.log_metrics, {metric_name(k): v for k, v in metrics.items()},
+                   step=step, synchronous=False)
 
-    def log_metrics(self, metrics: dict[str, float]) -> None:
+    def log_metrics(self, metrics: dict[str, float], prefix: str = "", step: int = 0) -> None:
+        """Synchronously, as one batch; a batch the store refuses is retried one metric at a
+        time, so one bad value never drops the others."""
         import mlflow
+        from mlflow.exceptions import MlflowException
 
-        self._call(mlflow.log_metrics, metrics)
+        named = {metric_name(prefix + k): float(v) for k, v in metrics.items()}
+        if not self.enabled:
+            return
+        try:
+            mlflow.log_metrics(named, step=step)
+            return
+        except MlflowException:
+            pass
+        except Exception:  # noqa: BLE001 - unreachable store: warn once, go on
+            self._call(mlflow.log_metrics, named, step=step)
+            return
+        refused = []
+        for name, value in named.items():
+            try:
+                mlflow.log_metric(name, value, step=step)
+            except MlflowException:
+                refused.append(name)
+        if refused:
+            warnings.warn(f"MLflow refused the metrics {refused}; the others are logged",
+                          stacklevel=2)
 
     def log_params(self, params: dict[str, Any]) -> None:
         import mlflow
@@ -101,13 +182,17 @@ class Tracker:
 
         self._call(mlflow.log_artifact, str(path), artifact_path)
 
-    def log_pytorch_model(self, model, input_example):
+    def log_dataset(self, meta: dict, root: str) -> None:
+        """The prepared data as the run's input: where it came from and its content hash."""
+        self._call(_log_dataset, meta, root)
+
+    def log_pytorch_model(self, model, input_example, name: str):
         """The ModelInfo of the logged model, or None when tracking is off."""
         import mlflow.pytorch
         import torch
 
         # Explicit requirements: inferring them imports the model in a subprocess (~10 s).
-        return self._call(mlflow.pytorch.log_model, model, name="model",
+        return self._call(mlflow.pytorch.log_model, model, name=name,
                           input_example=input_example,
                           pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
 
@@ -115,6 +200,24 @@ class Tracker:
         """Register a version with alias `candidate`; move `champion` to it when its test
         accuracy beats the current champion's (or there is none)."""
         return self._call(_register, model_uri, name, accuracy)
+
+
+def _log_dataset(meta: dict, root: str) -> None:
+    import mlflow
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    if meta["source"] == "digits":
+        import sklearn.datasets
+
+        where = Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
+    else:
+        where = (repo_root() / root).resolve()
+    # MLflow keeps at most 36 characters of digest; the full SHA-256 is the tag data_sha256.
+    dataset = MetaDataset(resolve_dataset_source(str(where)), name=meta["source"],
+                          digest=meta["sha256"][:32])
+    mlflow.log_input(dataset, context="training",
+                     tags={"sizes": json.dumps(meta["sizes"]), "classes": str(len(meta["classes"]))})
 
 
 def _register(model_uri: str, name: str, accuracy: float) -> dict:
@@ -141,32 +244,44 @@ def _experiment_id(name: str, uri: str) -> str:
     import mlflow
 
     exp = mlflow.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    # Artifacts next to the store in the real workspace, not in the cwd: a `dvc exp run --temp`
-    # runs in a copy that is deleted afterwards.
-    location = (repo_root() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-    try:
-        return mlflow.create_experiment(name, artifact_location=location)
-    except Exception:  # noqa: BLE001 - another process created it first
-        return mlflow.get_experiment_by_name(name).experiment_id
+    if exp is None:
+        # Artifacts next to the store in the real workspace, not in the cwd: a `dvc exp run
+        # --temp` runs in a copy that is deleted afterwards.
+        location = (repo_root() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        try:
+            mlflow.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
+        except Exception:  # noqa: BLE001 - another process created it first
+            pass
+        exp = mlflow.get_experiment_by_name(name)
+    for key, value in EXPERIMENT_TAGS.items():  # a store made before this version's tags
+        if exp.tags.get(key) != value:
+            mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
 
 
 @contextmanager
-def start_run(cfg: MlflowConfig, *, run_id: str | None = None, run_name: str | None = None,
-              tags: dict[str, Any] | None = None) -> Iterator[Tracker]:
-    """Open (or reopen, given `run_id`) the run; end it FINISHED, FAILED or KILLED."""
+def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
+              tags: dict[str, Any] | None = None, keep_duration: bool = False) -> Iterator[Tracker]:
+    """Open a new run named after the experiment (or reopen `run_id`); end it FINISHED,
+    FAILED or KILLED. `keep_duration`: a later stage's logging does not stretch the run's
+    Duration, which stays the training's."""
     tracker = Tracker(tracking_uri(cfg))
+    ended = None
     try:
         import mlflow
 
         mlflow.set_tracking_uri(tracker.uri)
         with _store_lock(tracker.uri):
-            exp_id = None if run_id else _experiment_id(cfg.experiment, tracker.uri)
-        run = mlflow.start_run(run_id=run_id) if run_id else \
-            mlflow.start_run(experiment_id=exp_id, run_name=run_name)
+            exp_id = _experiment_id(cfg.experiment, tracker.uri)
+        if run_id:
+            ended = mlflow.MlflowClient().get_run(run_id).info.end_time if keep_duration else None
+            run = mlflow.start_run(run_id=run_id)
+        else:
+            run = mlflow.start_run(experiment_id=exp_id, run_name=run_name())
         tracker.run_id, tracker.enabled = run.info.run_id, True
-        tracker.set_tags(tags or {})
+        tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
+                          "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+                          **(tags or {})})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({type(e).__name__}: {e}); "
                       "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
@@ -189,15 +304,80 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, run_name: str | N
             tracker._call(mlflow.flush_async_logging)
             tracker.enabled = True  # close the run even if a log call failed on the way
             tracker._call(mlflow.end_run, status)
+            if ended:
+                tracker._call(mlflow.MlflowClient().set_terminated, tracker.run_id, status, ended)
+
+
+def link_model(run: Tracker, model: Path) -> None:
+    """Train's last word: the run of this experiment is the one that trained `model`."""
+    md5 = _md5(model)
+    run.set_tags({"model_md5": md5, "training_run_id": run.run_id})
+    write_json(model.with_name(RUN_FILE), {"run_id": run.run_id, "tracking_uri": run.uri,
+                                           "model_md5": md5, "dvc_exp_name": exp_name()})
 
 
 @contextmanager
-def reopen_run(cfg: MlflowConfig, run_id: str | None) -> Iterator[Tracker]:
-    """Log into the run that train opened; without one (tracking was down), log nothing."""
-    if not run_id:
-        warnings.warn("models/train/run.json has no MLflow run id (training ran without "
-                      "tracking); nothing is logged to MLflow", stacklevel=3)
-        yield Tracker(tracking_uri(cfg))
+def experiment_run(cfg: MlflowConfig, params: dict[str, Any], train_dir: Path) -> Iterator[Tracker]:
+    """The MLflow run of this experiment's model in `train_dir`, for evaluate and export.
+
+    The run train opened when run.json names this model and this experiment. Otherwise
+    training came from DVC's run-cache or from another experiment: a new run of this
+    experiment, with its params and the training's metrics and curves (from the DVC outputs),
+    tagged `training_run_id` with the run that trained the model."""
+    md5 = _md5(train_dir / "model.pt")
+    link_file = train_dir / RUN_FILE
+    link = json.loads(link_file.read_text()) if link_file.exists() else {}
+    if link.get("model_md5") == md5 and link.get("dvc_exp_name") == exp_name():
+        if not link.get("run_id"):
+            warnings.warn(f"{link_file} has no MLflow run id (training ran without tracking); "
+                          "nothing is logged to MLflow", stacklevel=3)
+            yield Tracker(tracking_uri(cfg))
+            return
+        with start_run(cfg, run_id=link["run_id"], keep_duration=True) as run:
+            yield run
         return
-    with start_run(cfg, run_id=run_id) as tracker:
-        yield tracker
+
+    with start_run(cfg, tags={"model_md5": md5, "restored_from_run_cache": "true"}) as run:
+        trained_by = link.get("run_id") if link.get("model_md5") == md5 else None
+        run.set_tags({"training_run_id": trained_by or run._call(_training_run, md5)})
+        run.log_params(params)
+        run.log_metrics(json.loads((train_dir / "metrics.json").read_text()))
+        with open(train_dir / "history.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                run.log_metrics({k: float(v) for k, v in row.items() if k != "epoch"},
+                                step=int(row["epoch"]))
+        for name in ("metrics.json", "history.csv"):
+            run.log_artifact(train_dir / name, "train")
+        if run.run_id:
+            write_json(link_file, {"run_id": run.run_id, "tracking_uri": run.uri,
+                                   "model_md5": md5, "dvc_exp_name": exp_name()})
+        yield run
+
+
+def _training_run(md5: str) -> str | None:
+    """The first run that logged this model, from any experiment in the store."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string=f"tags.model_md5 = '{md5}'",
+                              order_by=["attributes.start_time ASC"], max_results=1)
+    return runs[0].data.tags.get("training_run_id") if runs else None
+
+
+def experiment_url(cfg: MlflowConfig, base: str) -> str:
+    """The experiment's runs table in the MLflow UI at `base` (the classic view, not GenAI)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    if exp is None:
+        return f"{base} (no experiment {cfg.experiment!r} yet: run `make repro` first)"
+    return (f"{base}/#/experiments/{exp.experiment_id}/runs"
+            f"?viewStateShareKey={VIEW}&workflowType=machine_learning")
+
+
+if __name__ == "__main__":  # `python -m stages.tracking URL`: what `make ui` prints
+    from stages.config import load_params
+
+    print(experiment_url(load_params().mlflow, sys.argv[1]))

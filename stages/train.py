@@ -1,4 +1,7 @@
-"""Stage train: data/prepared/ -> models/train/ (model.pt, metrics.json, history.csv, run.json)."""
+"""Stage train: data/prepared/ -> models/train/ (model.pt, metrics.json, history.csv).
+
+Also models/train/run.json, not a DVC output: the MLflow run that evaluate and export log into.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +29,9 @@ OUT = Path("models/train")
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
 TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
+# history.csv: the per-epoch figures that compare across machines and reruns; the timings of
+# each epoch (samples_per_s, epoch_s, peak_mem_mb) go to MLflow only.
+HISTORY = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm"]
 
 
 def main() -> None:
@@ -72,41 +78,38 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     with tracked as run:
         if resume is None:
             run.log_params(flatten(params))
+            run.log_dataset(meta, params.data.root)
         result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
                        lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
                        seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
                        extra_state={"run_id": run.run_id}, rank=rank, world=world)
         if rank != 0:
             return
-        run.set_tags({"device": result.device, "precision": result.precision,
-                      "loader": result.loader})
 
         # The checkpoint describes itself: weights of the uncompiled module plus all it takes
-        # to rebuild and feed the model.
+        # to rebuild and feed the model. Nothing run-specific (run id, timings): the same
+        # params, seed and machine give the same bytes, so a rerun leaves dvc.lock unchanged.
         checkpoint = {"model": result.model.state_dict(),
                       "model_params": dataclasses.asdict(params.model),
                       "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
                       "channels": meta["channels"], "image_size": meta["image_size"],
-                      "resize": meta["resize"],
-                      "best_epoch": result.best_epoch, "run_id": run.run_id}
+                      "resize": meta["resize"], "best_epoch": result.best_epoch}
         save_torch(OUT / "model.pt", checkpoint)
-        metrics = {
-            "best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
-            "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
-            "train_s": round(result.train_s, 2),
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in result.history),
-            "num_params": count_params(result.model),
-            "mlflow_run_id": run.run_id or "",
-        }
+        # What is worth comparing between experiments; timings and ids go to MLflow only.
+        metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
+                   "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
+                   "num_params": count_params(result.model)}
         write_json(OUT / "metrics.json", metrics)
-        write_csv(OUT / "history.csv", list(result.history[0]),
-                  ([round(v, 6) if isinstance(v, float) else v for v in r.values()]
+        write_csv(OUT / "history.csv", HISTORY,
+                  ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
                    for r in result.history))
-        write_json(OUT / "run.json", {"run_id": run.run_id, "tracking_uri": run.uri,
-                                      "device": result.device, "precision": result.precision})
-        run.log_metrics({k: float(v) for k, v in metrics.items() if k != "mlflow_run_id"})
+        run.set_tags({"device": result.device, "precision": result.precision,
+                      "loader": result.loader})
+        run.log_metrics(metrics | {"train_s": result.train_s, "samples_per_s":
+                                   statistics.median(r["samples_per_s"] for r in result.history)})
         for name in ("metrics.json", "history.csv"):
             run.log_artifact(OUT / name, "train")
+        tracking.link_model(run, OUT / "model.pt")
 
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "

@@ -67,5 +67,6 @@ def test_two_gloo_processes_train_the_stage_like_one(digits, tmp_path, mlflow_ur
 
     import mlflow
 
-    r = mlflow.MlflowClient(mlflow_uri).get_run(results[2]["mlflow_run_id"])
+    run_id = json.loads((tmp_path / "n2/models/train/run.json").read_text())["run_id"]
+    r = mlflow.MlflowClient(mlflow_uri).get_run(run_id)
     assert r.data.tags["world_size"] == "2" and r.info.status == "FINISHED"

@@ -235,8 +235,8 @@ def test_two_processes_log_to_one_new_sqlite_store_at_once(tmp_path, digits):
     for d in dirs:
         run_id = json.loads((d / "models/train/run.json").read_text())["run_id"]
         assert client.get_run(run_id).info.status == "FINISHED"
-        assert len(client.get_metric_history(run_id, "val_acc")) == 3
-        steps = len(client.get_metric_history(run_id, "train_loss_step"))
+        assert len(client.get_metric_history(run_id, "val/acc")) == 3
+        steps = len(client.get_metric_history(run_id, "train/loss_step"))
         assert steps == 3 * 20  # every step of 3 epochs x 20 steps, none lost
 
 

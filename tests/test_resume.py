@@ -65,5 +65,5 @@ def test_sigkill_then_rerun_resumes_to_identical_weights(tmp_path, digits, mlflo
     run_id = json.loads((b / "models/train/run.json").read_text())["run_id"]
     r = client.get_run(run_id)
     assert r.info.status == "FINISHED"
-    steps = {m.step for m in client.get_metric_history(run_id, "val_acc")}
+    steps = {m.step for m in client.get_metric_history(run_id, "val/acc")}
     assert steps == {1, 2, 3, 4, 5}  # the killed epochs and the resumed ones, one run
