@@ -1,5 +1,5 @@
 # `make repro` and `make test` work on a fresh clone: the first use creates .venv and installs
-# the project; later uses reinstall only when pyproject.toml changed.
+# exactly requirements.lock; later uses reinstall only when the lock changed.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV := .venv
@@ -8,19 +8,31 @@ STAMP := $(VENV)/.installed
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup repro verify test ui exps lint bench ci-report plots-template
+.PHONY: help setup lock repro verify share test ui exps lint bench ci-report plots-template
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# --no-deps: nothing but the lock, every file checked against its hashes. The project itself is
+# not installed: stages run from the checkout (`python -m stages.x`).
+$(STAMP): requirements.lock
 	test -x $(PY) || python3 -m venv $(VENV)
-	@echo "installing the project into $(VENV) (first time: a few minutes)"
-	$(PY) -m pip install -q -e '.[dev]' 2>&1 | { grep -v '^WARNING: Location' || true; }
+	@echo "installing requirements.lock into $(VENV) (first time: a few minutes)"
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock 2>&1 \
+		| { grep -v '^WARNING: Location' || true; }
 	touch $(STAMP)
 
-setup: $(STAMP) ## create .venv and install the project (only when pyproject.toml changed)
+setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
+
+# Resolved for Linux x86_64 and Python 3.11, the platform the lock installs on. This machine's
+# pip caps torch at the release on its disk: the lock honours the same cap where it is set.
+LOCK_CAP := $(wildcard /etc/xdg/pip/constraints.txt)
+lock: setup ## refresh requirements.lock from pyproject.toml (uv pip compile, with hashes)
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --generate-hashes --quiet \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		$(if $(LOCK_CAP),--constraint $(LOCK_CAP)) --custom-compile-command "make lock" \
+		-o requirements.lock
 
 repro: setup ## run the whole pipeline: prepare, train, evaluate, export
 	dvc repro
@@ -36,6 +48,9 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 		diff .dvc/tmp/dvc.lock.before-verify dvc.lock || true; exit 1; \
 	fi
 
+share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
+	$(PY) -m stages.share
+
 test: setup ## run the test suite
 	$(PY) -m pytest
 
@@ -50,9 +65,11 @@ ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to c
 # columns fit 120 where dvc's own table does not; awk names the workspace and main rows (their
 # Experiment cell is empty) from the rev column and drops it. `dvc exp show` shows everything.
 EXPS_KEEP := ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size)$$
-EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|best_val_loss|best_epoch|epochs_run|num_params|^n$$
+EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|best_val_loss|best_epoch|epochs_run|num_params|^n$$
+EXPS_REVS ?=  # e.g. --rev origin/main --rev HEAD: experiments of those commits (default HEAD's)
 exps: setup ## experiments side by side, 120 columns: lr, epochs, batch_size, headline metrics
-	@dvc exp show --csv --only-changed --precision 4 --keep '$(EXPS_KEEP)' --drop '$(EXPS_DROP)' \
+	@dvc exp show --csv --only-changed --precision 4 $(EXPS_REVS) \
+		--keep '$(EXPS_KEEP)' --drop '$(EXPS_DROP)' \
 		| awk -F, -v OFS=, '{ $$2 = ($$1 == "" ? $$2 : $$1); $$1 = ""; sub(/^,/, ""); print }' \
 		| { command -v column > /dev/null && column -t -s, || cat; }
 
@@ -71,6 +88,6 @@ ci-report: setup ## params, metrics and plots of the workspace against BASE (def
 	@echo "## Params: workspace vs $(BASE)"
 	@dvc params diff $(BASE) --md
 	@echo "## Metrics: workspace vs $(BASE)"
-	@dvc metrics diff $(BASE) --md
+	@dvc metrics diff $(BASE) --md --all
 	@dvc plots diff $(BASE) -o dvc_plots > /dev/null
 	@echo "Plots: dvc_plots/index.html"

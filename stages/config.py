@@ -279,8 +279,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
         # every later `dvc repro` would fail on it too.
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
-            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}; "
-                              f"`git checkout {path}` restores the committed values") from None
+            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}: "
+                              f"`git checkout {path}` restores the committed values, then "
+                              "`dvc repro` the outputs DVC removed (from its run-cache)") from None
         raise
 
 

@@ -9,7 +9,7 @@ import torch
 
 from stages import tracking
 from stages.config import flatten, load_params, run_stage
-from stages.data import load_split
+from stages.data import load_meta, load_split
 from stages.files import write_json
 from stages.loop import predict, resolve_device
 from stages.models import load_trained
@@ -49,7 +49,7 @@ def main() -> None:
 
     # Per-class figures are one table (per_class.csv, shown as a table in the UI), not
     # metrics: 30 charts of them would bury the curves.
-    with tracking.experiment_run(params.mlflow, flatten(params), TRAIN) as run:
+    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN) as run:
         # The test-set size is a fact, not a figure to chart.
         run.log_metrics({k: v for k, v in metrics.items() if k != "n"}, prefix="eval/")
         run.set_tags({"eval.n": metrics["n"]})

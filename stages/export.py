@@ -14,7 +14,7 @@ import torch
 
 from stages import tracking
 from stages.config import flatten, load_params, run_stage
-from stages.data import load_split, normalize
+from stages.data import load_meta, load_split, normalize
 from stages.files import atomic_write, write_json
 from stages.models import load_trained
 
@@ -24,21 +24,26 @@ EVAL = Path("models/eval")
 OUT = Path("models/export")
 
 
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int) -> None:
+def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """One torch.export feeds both the .pt2 and ONNX. Without the nodes' stack traces: they hold
+    absolute paths of this checkout and venv, so another clone would write other bytes."""
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)
+    return program
+
+
+def export_onnx(program: torch.export.ExportedProgram, path: Path, opset: int) -> None:
     import onnx
 
-    batch = torch.export.Dim("batch", min=1, max=65536)
-    atomic_write(path, lambda p: torch.onnx.export(
-        model, (example,), str(p), dynamo=True, opset_version=opset,
-        dynamic_shapes=({0: batch},), input_names=["image"], output_names=["logits"],
-        external_data=False, verbose=False))
+    onnx_program = torch.onnx.export(program, dynamo=True, opset_version=opset,
+                                     input_names=["image"], output_names=["logits"], verbose=False)
+    atomic_write(path, lambda p: onnx.save(onnx_program.model_proto, str(p)))
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
-    batch = torch.export.Dim("batch", min=1, max=65536)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-
+def export_pt2(program: torch.export.ExportedProgram, path: Path) -> None:
     def write(p: Path) -> None:
         # Through a file object: given a path, the archive's inner folder is named after the
         # (random) temp file, and the same program would never give the same bytes.
@@ -81,8 +86,9 @@ def main() -> None:
 
     atomic_write(OUT / "model.safetensors",
                  lambda p: save_file({k: v.contiguous() for k, v in model.state_dict().items()}, p))
-    export_onnx(model, example, OUT / "model.onnx", cfg.opset)
-    export_pt2(model, example, OUT / "model.pt2")
+    exported = export_program(model, example)
+    export_onnx(exported, OUT / "model.onnx", cfg.opset)
+    export_pt2(exported, OUT / "model.pt2")
 
     import onnxruntime as ort
 
@@ -103,21 +109,26 @@ def main() -> None:
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
     })
 
-    with tracking.experiment_run(params.mlflow, flatten(params), TRAIN) as run:
+    evaluation = json.loads((EVAL / "metrics.json").read_text())
+    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN) as run:
+        # DVC skips evaluate when its committed results are this very model's (a fresh clone
+        # retrains to the same bytes): the run gets them here, as the figures it is exported with.
+        if not run.has_metric("eval/accuracy"):
+            run.log_metrics({k: v for k, v in evaluation.items() if k != "n"}, prefix="eval/")
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(OUT / name, "export")
         # Named after what it is (`cnn-digits`), not MLflow's default `model`.
         name = f"{ckpt['model_params']['arch']}-{params.data.source}"
         info = run.log_pytorch_model(model, example.numpy(), name) if cfg.log_model else None
         if cfg.register_as and info is not None:
-            accuracy = json.loads((EVAL / "metrics.json").read_text())["accuracy"]
-            reg = run.register(info.model_uri, cfg.register_as, accuracy)
+            reg = run.register(info.model_uri, cfg.register_as, evaluation["accuracy"])
             if reg:
                 print(f"registered {reg['name']} version {reg['version']} as candidate"
                       + (", now champion" if reg["champion"] else
                          f"; champion stays version {reg['previous_champion']}"))
     print(f"exported ONNX, .pt2 and safetensors to {OUT}; eager vs exported within "
-          f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}")
+          f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}; test accuracy "
+          f"{evaluation['accuracy']:.4f} ({EVAL / 'metrics.json'})")
 
 
 if __name__ == "__main__":

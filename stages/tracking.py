@@ -110,6 +110,15 @@ def run_name() -> str:
     return exp_name() or f"workspace@{git_commit()[:7] or 'nogit'}"
 
 
+def lock_hash() -> str | None:
+    """Which locked environment ran: results are bitwise reproducible only on the same lock."""
+    lock = Path("requirements.lock")
+    if not lock.exists():
+        return None
+    with open(lock, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
 def _md5(path: Path) -> str:
     """The hash DVC records for the file in dvc.lock: a run is found from `dvc exp show`."""
     with open(path, "rb") as f:
@@ -167,6 +176,11 @@ class Tracker:
             warnings.warn(f"MLflow refused the metrics {refused}; the others are logged",
                           stacklevel=2)
 
+    def has_metric(self, name: str) -> bool:
+        import mlflow
+
+        return bool(self._call(lambda: name in mlflow.get_run(self.run_id).data.metrics))
+
     def log_params(self, params: dict[str, Any]) -> None:
         import mlflow
 
@@ -213,9 +227,11 @@ def _log_dataset(meta: dict, root: str) -> None:
         where = Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
     else:
         where = (repo_root() / root).resolve()
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(str(where))
     # MLflow keeps at most 36 characters of digest; the full SHA-256 is the tag data_sha256.
-    dataset = MetaDataset(resolve_dataset_source(str(where)), name=meta["source"],
-                          digest=meta["sha256"][:32])
+    dataset = MetaDataset(source, name=meta["source"], digest=meta["sha256"][:32])
     mlflow.log_input(dataset, context="training",
                      tags={"sizes": json.dumps(meta["sizes"]), "classes": str(len(meta["classes"]))})
 
@@ -280,6 +296,7 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
             run = mlflow.start_run(experiment_id=exp_id, run_name=run_name())
         tracker.run_id, tracker.enabled = run.info.run_id, True
         tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
+                          "lock_sha256": lock_hash(),
                           "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
                           **(tags or {})})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
@@ -317,13 +334,15 @@ def link_model(run: Tracker, model: Path) -> None:
 
 
 @contextmanager
-def experiment_run(cfg: MlflowConfig, params: dict[str, Any], train_dir: Path) -> Iterator[Tracker]:
+def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
+                   train_dir: Path) -> Iterator[Tracker]:
     """The MLflow run of this experiment's model in `train_dir`, for evaluate and export.
 
     The run train opened when run.json names this model and this experiment. Otherwise
     training came from DVC's run-cache or from another experiment: a new run of this
-    experiment, with its params and the training's metrics and curves (from the DVC outputs),
-    tagged `training_run_id` with the run that trained the model."""
+    experiment, with its params, dataset (`meta` of the prepared data) and the training's
+    metrics and curves (from the DVC outputs), tagged `training_run_id` with the run that
+    trained the model."""
     md5 = _md5(train_dir / "model.pt")
     link_file = train_dir / RUN_FILE
     link = json.loads(link_file.read_text()) if link_file.exists() else {}
@@ -341,6 +360,7 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], train_dir: Path) -
         trained_by = link.get("run_id") if link.get("model_md5") == md5 else None
         run.set_tags({"training_run_id": trained_by or run._call(_training_run, md5)})
         run.log_params(params)
+        run.log_dataset(meta, params["data.root"])
         run.log_metrics(json.loads((train_dir / "metrics.json").read_text()))
         with open(train_dir / "history.csv", newline="") as f:
             for row in csv.DictReader(f):

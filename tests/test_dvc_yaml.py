@@ -37,5 +37,6 @@ def test_every_stage_depends_on_all_the_code_it_runs():
     for name, stage in stages.items():
         assert stage["cmd"] == f"python -m stages.{name}"
         deps = set(stage["deps"])
+        assert "requirements.lock" in deps, f"stage {name}: library versions change results"
         missing = stage_imports(name) - deps
         assert not missing, f"stage {name}: add {sorted(missing)} to its deps in dvc.yaml"

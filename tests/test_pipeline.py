@@ -119,6 +119,18 @@ def test_make_verify_reruns_everything_to_the_same_bytes(repo):
     assert len(client.get_metric_history(runs[0].info.run_id, "eval/accuracy")) == 1
 
 
+def test_a_retrained_model_dvc_does_not_reevaluate_still_gets_its_eval_metrics(repo):
+    """As on a fresh clone: training gives the bytes the committed evaluation was made from, so
+    DVC skips evaluate; export logs that evaluation into the new run."""
+    shutil.rmtree(repo / "models/export")
+    run(["dvc", "repro", "-f", "-s", "train"], repo, env=env_with())
+    p = run(["dvc", "repro"], repo, env=env_with())
+    assert "Stage 'evaluate' didn't change, skipping" in p.stdout
+    _, runs = mlflow_runs(repo)
+    metrics = json.loads((repo / "models/eval/metrics.json").read_text())
+    assert runs[-1].data.metrics["eval/accuracy"] == pytest.approx(metrics["accuracy"])
+
+
 def test_exp_run_changes_only_the_value_in_params_yaml(repo):
     p = run(["dvc", "exp", "run", "-S", "lr=0.01"], repo, env=env_with())
     assert "Stage 'prepare' didn't change, skipping" in p.stdout  # only what changed reruns
@@ -139,6 +151,9 @@ def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
     assert p.returncode != 0
     assert "lr='1e-3'" in p.stderr and "git checkout params.yaml" in p.stderr, p.stderr
     run(["git", "checkout", "params.yaml"], repo)
+    p = run(["dvc", "repro"], repo, env=env_with())  # as the message says: outputs come back
+    assert "Running stage 'train'" not in p.stdout and "is cached" in p.stdout, p.stdout
+    assert (repo / "models/train/model.pt").exists()
 
 
 def test_exp_run_rejects_unknown_key(repo):
