@@ -119,15 +119,18 @@ def test_make_verify_reruns_everything_to_the_same_bytes(repo):
     assert len(client.get_metric_history(runs[0].info.run_id, "eval/accuracy")) == 1
 
 
-def test_a_retrained_model_dvc_does_not_reevaluate_still_gets_its_eval_metrics(repo):
-    """As on a fresh clone: training gives the bytes the committed evaluation was made from, so
-    DVC skips evaluate; export logs that evaluation into the new run."""
-    shutil.rmtree(repo / "models/export")
-    run(["dvc", "repro", "-f", "-s", "train"], repo, env=env_with())
-    p = run(["dvc", "repro"], repo, env=env_with())
+def test_a_fresh_clone_that_retrains_to_the_committed_bytes_still_logs_eval(repo, tmp_path):
+    """The committed evaluation is this very model's, so DVC skips evaluate on a fresh clone
+    that retrains to the same bytes; export logs that evaluation into the new run."""
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "results of the first repro"], repo)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    p = run(["dvc", "repro"], clone, env=env_with())
     assert "Stage 'evaluate' didn't change, skipping" in p.stdout
-    _, runs = mlflow_runs(repo)
-    metrics = json.loads((repo / "models/eval/metrics.json").read_text())
+    assert "Running stage 'export'" in p.stdout
+    _, runs = mlflow_runs(clone)
+    metrics = json.loads((clone / "models/eval/metrics.json").read_text())
     assert runs[-1].data.metrics["eval/accuracy"] == pytest.approx(metrics["accuracy"])
 
 
