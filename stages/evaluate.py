@@ -50,9 +50,7 @@ def main() -> None:
     # Per-class figures are one table (per_class.csv, shown as a table in the UI), not
     # metrics: 30 charts of them would bury the curves.
     with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN) as run:
-        # The test-set size is a fact, not a figure to chart.
-        run.log_metrics({k: v for k, v in metrics.items() if k != "n"}, prefix="eval/")
-        run.set_tags({"eval.n": metrics["n"]})
+        run.log_evaluation(metrics)
         for name in ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png",
                      "misclassified.png"):
             run.log_artifact(OUT / name, "eval")

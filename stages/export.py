@@ -114,7 +114,7 @@ def main() -> None:
         # DVC skips evaluate when its committed results are this very model's (a fresh clone
         # retrains to the same bytes): the run gets them here, as the figures it is exported with.
         if not run.has_metric("eval/accuracy"):
-            run.log_metrics({k: v for k, v in evaluation.items() if k != "n"}, prefix="eval/")
+            run.log_evaluation(evaluation)
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(OUT / name, "export")
         # Named after what it is (`cnn-digits`), not MLflow's default `model`.

@@ -176,6 +176,11 @@ class Tracker:
             warnings.warn(f"MLflow refused the metrics {refused}; the others are logged",
                           stacklevel=2)
 
+    def log_evaluation(self, metrics: dict[str, float]) -> None:
+        """Test metrics as `eval/...`; the test-set size is a fact (tag `eval.n`), not a chart."""
+        self.log_metrics({k: v for k, v in metrics.items() if k != "n"}, prefix="eval/")
+        self.set_tags({"eval.n": metrics.get("n")})
+
     def has_metric(self, name: str) -> bool:
         import mlflow
 
@@ -329,8 +334,13 @@ def link_model(run: Tracker, model: Path) -> None:
     """Train's last word: the run of this experiment is the one that trained `model`."""
     md5 = _md5(model)
     run.set_tags({"model_md5": md5, "training_run_id": run.run_id})
-    write_json(model.with_name(RUN_FILE), {"run_id": run.run_id, "tracking_uri": run.uri,
-                                           "model_md5": md5, "dvc_exp_name": exp_name()})
+    _write_link(model.with_name(RUN_FILE), run, md5)
+
+
+def _write_link(path: Path, run: Tracker, md5: str) -> None:
+    """run.json: which run is this experiment's, for this model."""
+    write_json(path, {"run_id": run.run_id, "tracking_uri": run.uri, "model_md5": md5,
+                      "dvc_exp_name": exp_name()})
 
 
 @contextmanager
@@ -369,8 +379,7 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
         for name in ("metrics.json", "history.csv"):
             run.log_artifact(train_dir / name, "train")
         if run.run_id:
-            write_json(link_file, {"run_id": run.run_id, "tracking_uri": run.uri,
-                                   "model_md5": md5, "dvc_exp_name": exp_name()})
+            _write_link(link_file, run, md5)
         yield run
 
 
