@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-from stages.config import DataConfig, TrainConfig, load_params
-from stages.data import Split, build_meta, load_digits, load_meta, load_split, resize, stratified_split
+from stages.config import PREPARED, DataConfig, TrainConfig, load_params
+from stages.data import Split, load_meta, load_split
 from stages.files import atomic_write, write_json, write_text
-from stages.loop import proc_status_mb, reset_peak_mem, resolve_device, resolve_precision, train
+from stages.loop import train
 from stages.models import build_model
+from stages.runtime import proc_status_mb, reset_peak_mem, resolve_device, resolve_precision
+from stages.sources import build_meta, load_digits, resize, stratified_split
 
 # The article's rows. `standard` is a textbook loop: DataLoader in the main process, fp32,
 # NCHW, a .item() sync every step, no clipping.
@@ -46,7 +48,6 @@ DATASETS = ("digits", "cifar", "prepared")
 # Rounds of one row further apart than this (max - min over median) mean the machine was busy
 # with something else during the run: the report says so instead of printing a confident ratio.
 NOISY_SPREAD = 0.25
-PREPARED = Path("data/prepared")
 
 
 def datasets(names: list[str], n: int, synthetic_size: int, seed: int,

@@ -23,8 +23,17 @@ from typing import Any, Union
 
 from omegaconf import OmegaConf
 
+# The choices of data.source and model.arch: the registries sources.SOURCES and models.ARCHS
+# hold the code for each name (a test keeps them equal). Only the names live here, so checking
+# params.yaml needs no model or data code, and a model change never reruns prepare.
 SOURCES = ("digits", "folder", "cifar10", "mnist", "fashion_mnist")
 ARCHS = ("cnn", "resnet18")
+
+# The pipeline's folders, as dvc.yaml names them (a test checks).
+PREPARED = Path("data/prepared")
+TRAIN_DIR = Path("models/train")
+EVAL_DIR = Path("models/eval")
+EXPORT_DIR = Path("models/export")
 
 
 class UserError(Exception):

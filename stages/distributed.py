@@ -36,10 +36,15 @@ def init(cfg: TrainConfig) -> tuple[int, int]:
     """(rank, world size) in the process group torchrun set up; (0, 1) outside one."""
     if not under_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
-    cuda = torch.cuda.is_available() and cfg.device != "cpu"
+    device = None
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        # Each process's own GPU made current before the first collective, and named at init:
+        # NCCL may otherwise hang, or put every process's buffers on GPU 0.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     # NCCL between GPUs, gloo between CPU processes; a bounded timeout so that a rank that died
     # does not leave the others waiting for the default 30 minutes.
-    torch.distributed.init_process_group("nccl" if cuda else "gloo",
+    torch.distributed.init_process_group("nccl" if device else "gloo", device_id=device,
                                          timeout=datetime.timedelta(minutes=10))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

@@ -3,15 +3,12 @@ confusion rows, PNGs)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from stages import tracking
-from stages.config import flatten, load_params, run_stage
+from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params, run_stage
 from stages.data import load_meta, load_split
 from stages.files import write_json
-from stages.loop import predict, resolve_device
 from stages.models import load_trained
 from stages.report import (
     classification_metrics,
@@ -20,15 +17,12 @@ from stages.report import (
     write_confusion_csv,
     write_per_class_csv,
 )
-
-PREPARED = Path("data/prepared")
-TRAIN = Path("models/train")
-OUT = Path("models/eval")
+from stages.runtime import predict, resolve_device
 
 
 def main() -> None:
     params = load_params()
-    model, ckpt = load_trained(TRAIN / "model.pt")
+    model, ckpt = load_trained(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
     classes = ckpt["classes"]
 
@@ -40,20 +34,20 @@ def main() -> None:
     pred = logits.argmax(1)
     metrics, per_class = classification_metrics(logits, test.y, classes)
 
-    write_json(OUT / "metrics.json", metrics)
-    write_per_class_csv(OUT / "per_class.csv", per_class)
-    write_confusion_csv(OUT / "confusion.csv", test.y, pred, classes)
-    plot_confusion(OUT / "confusion.png", test.y, pred, classes)
-    plot_misclassified(OUT / "misclassified.png", test.x, test.y, pred, classes,
+    write_json(EVAL_DIR / "metrics.json", metrics)
+    write_per_class_csv(EVAL_DIR / "per_class.csv", per_class)
+    write_confusion_csv(EVAL_DIR / "confusion.csv", test.y, pred, classes)
+    plot_confusion(EVAL_DIR / "confusion.png", test.y, pred, classes)
+    plot_misclassified(EVAL_DIR / "misclassified.png", test.x, test.y, pred, classes,
                        params.eval.misclassified_max)
 
     # Per-class figures are one table (per_class.csv, shown as a table in the UI), not
     # metrics: 30 charts of them would bury the curves.
-    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN) as run:
+    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN_DIR) as run:
         run.log_evaluation(metrics)
         for name in ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png",
                      "misclassified.png"):
-            run.log_artifact(OUT / name, "eval")
+            run.log_artifact(EVAL_DIR / name, "eval")
     print(f"test accuracy {metrics['accuracy']:.4f}, macro_f1 {metrics['macro_f1']:.4f}, "
           f"loss {metrics['loss']:.4f} on {metrics['n']} images")
 

@@ -13,15 +13,10 @@ import numpy as np
 import torch
 
 from stages import tracking
-from stages.config import flatten, load_params, run_stage
+from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, flatten, load_params, run_stage
 from stages.data import load_meta, load_split, normalize
 from stages.files import atomic_write, write_json
 from stages.models import load_trained
-
-PREPARED = Path("data/prepared")
-TRAIN = Path("models/train")
-EVAL = Path("models/eval")
-OUT = Path("models/export")
 
 
 def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
@@ -75,31 +70,31 @@ def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
 def main() -> None:
     params = load_params()
     cfg = params.export
-    model, ckpt = load_trained(TRAIN / "model.pt")
+    model, ckpt = load_trained(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
     images = normalize(test.x[:max(cfg.check_batch_sizes)], torch.tensor(ckpt["mean"]),
                        torch.tensor(ckpt["std"]))
     example = images[:2]  # batch > 1, or the exporters specialize the batch dimension to 1
-    OUT.mkdir(parents=True, exist_ok=True)
+    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
 
     from safetensors.torch import save_file
 
-    atomic_write(OUT / "model.safetensors",
+    atomic_write(EXPORT_DIR / "model.safetensors",
                  lambda p: save_file({k: v.contiguous() for k, v in model.state_dict().items()}, p))
     exported = export_program(model, example)
-    export_onnx(exported, OUT / "model.onnx", cfg.opset)
-    export_pt2(exported, OUT / "model.pt2")
+    export_onnx(exported, EXPORT_DIR / "model.onnx", cfg.opset)
+    export_pt2(exported, EXPORT_DIR / "model.pt2")
 
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(OUT / "model.onnx"), providers=["CPUExecutionProvider"])
-    program = torch.export.load(str(OUT / "model.pt2")).module()
+    session = ort.InferenceSession(str(EXPORT_DIR / "model.onnx"), providers=["CPUExecutionProvider"])
+    program = torch.export.load(str(EXPORT_DIR / "model.pt2")).module()
     checks = check_close("onnx", lambda x: session.run(None, {"image": x.numpy()})[0], model,
                          images, cfg.check_batch_sizes, cfg.atol)
     checks |= check_close("pt2", lambda x: program(x).detach().numpy(), model, images,
                           cfg.check_batch_sizes, cfg.atol)
 
-    write_json(OUT / "model.json", {
+    write_json(EXPORT_DIR / "model.json", {
         "arch": ckpt["model_params"]["arch"], "model_params": ckpt["model_params"],
         "classes": ckpt["classes"], "mean": ckpt["mean"], "std": ckpt["std"],
         "input_shape": [ckpt["channels"], ckpt["image_size"], ckpt["image_size"]],
@@ -109,14 +104,14 @@ def main() -> None:
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
     })
 
-    evaluation = json.loads((EVAL / "metrics.json").read_text())
-    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN) as run:
+    evaluation = json.loads((EVAL_DIR / "metrics.json").read_text())
+    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN_DIR) as run:
         # DVC skips evaluate when its committed results are this very model's (a fresh clone
         # retrains to the same bytes): the run gets them here, as the figures it is exported with.
         if not run.has_metric("eval/accuracy"):
             run.log_evaluation(evaluation)
         for name in ("model.onnx", "model.json", "model.safetensors"):
-            run.log_artifact(OUT / name, "export")
+            run.log_artifact(EXPORT_DIR / name, "export")
         # Named after what it is (`cnn-digits`), not MLflow's default `model`.
         name = f"{ckpt['model_params']['arch']}-{params.data.source}"
         info = run.log_pytorch_model(model, example.numpy(), name) if cfg.log_model else None
@@ -126,9 +121,9 @@ def main() -> None:
                 print(f"registered {reg['name']} version {reg['version']} as candidate"
                       + (", now champion" if reg["champion"] else
                          f"; champion stays version {reg['previous_champion']}"))
-    print(f"exported ONNX, .pt2 and safetensors to {OUT}; eager vs exported within "
+    print(f"exported ONNX, .pt2 and safetensors to {EXPORT_DIR}; eager vs exported within "
           f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}; test accuracy "
-          f"{evaluation['accuracy']:.4f} ({EVAL / 'metrics.json'})")
+          f"{evaluation['accuracy']:.4f} ({EVAL_DIR / 'metrics.json'})")
 
 
 if __name__ == "__main__":

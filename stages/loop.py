@@ -1,4 +1,4 @@
-"""The training loop: one function, `train`, readable top to bottom, plus the small pure pieces it uses.
+"""The training loop: `train` reads top to bottom as a screenful of steps, each a named function below it.
 
 Each optimization is switchable from the `train` section of params.yaml and commented once, where
 it happens, with the reason it is there.
@@ -9,14 +9,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import math
-import os
-import resource
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,9 +21,30 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from stages.batches import (
+    Batches,
+    BatchPlan,
+    augment,
+    device_batches,
+    epoch_order,
+    loader_batches,
+    plan_batches,
+    resolve_loader,
+    windows,
+)
+from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig, UserError
-from stages.data import EpochSampler, IndexedDataset, Split, augment, epoch_order, normalize, rank_order
-from stages.files import save_torch, write_text
+from stages.data import Split, normalize
+from stages.optim import Schedule, build_optimizer
+from stages.runtime import (
+    autocast,
+    peak_mem_mb,
+    predict,
+    reset_peak_mem,
+    resolve_device,
+    resolve_precision,
+    set_backends,
+)
 
 Log = Callable[[dict[str, float], int], None]
 
@@ -40,169 +57,8 @@ class NonFiniteLossError(UserError, RuntimeError):
     pass
 
 
-# ---------------------------------------------------------------- resolving "auto" settings
-
-
-def resolve_device(name: str) -> torch.device:
-    if name != "auto":
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise RuntimeError(f"train.device={name!r} but CUDA is not available; use auto or cpu")
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def cpu_has_bf16() -> bool:
-    """AMX or AVX512-BF16: the CPUs where bf16 autocast runs native kernels rather than emulated."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if device.type == "cpu" and cpu_has_bf16():
-        return "bf16"
-    return "fp32"
-
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_loader(cfg: TrainConfig, splits: list[Split]) -> str:
-    if cfg.loader != "auto":
-        return cfg.loader
-    size_mb = sum(s.x.numel() * s.x.element_size() for s in splits) / 2**20
-    return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
-
-
-def resolve_workers(cfg: TrainConfig) -> int:
-    if cfg.num_workers != "auto":
-        return int(cfg.num_workers)
-    # One core stays with the training process; more than 8 workers rarely pays for small images.
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
-
-
-def seed_worker(worker_id: int) -> None:
-    """numpy and random in a worker from the seed torch derived for it (base seed + worker id)."""
-    import random
-
-    import numpy as np
-
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-# ---------------------------------------------------------------- schedule and optimizer
-
-
-def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int, min_lr: float,
-          schedule: str, steps_per_epoch: int, step_epochs: int, step_gamma: float) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup, then the schedule."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    if schedule == "cosine":
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)
-        return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    if schedule == "step":
-        return lr * step_gamma ** (step // (step_epochs * steps_per_epoch))
-    return lr  # constant, and plateau (its reductions are a factor kept by the loop)
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float,
-                    device: torch.device) -> torch.optim.Optimizer:
-    # No weight decay on norm weights and biases: decaying them only fights the normalization.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # Fused kernels update every parameter in one pass instead of a loop of small ops: on this
-    # 2-core CPU 0.23 ms instead of 0.82 ms per AdamW step at width 32, 0.51 instead of 1.78 at 64.
-    fused = True if device.type in ("cuda", "cpu") else None
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
-                               nesterov=cfg.nesterov and cfg.momentum > 0, fused=fused)
-    return torch.optim.AdamW(groups, lr=lr, fused=fused)
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def save_checkpoint(state: dict, ckpt_dir: Path, epoch: int, keep: int = 2) -> Path:
-    """Atomic (temp file, then rename) with a checksum beside it; the last `keep` are kept."""
-    path = ckpt_dir / f"epoch-{epoch:04d}.pt"
-    save_torch(path, state)
-    # The checksum is written last: a checkpoint without one was never finished.
-    write_text(path.with_suffix(".sha256"), _sha256(path) + "\n")
-    for old in sorted(ckpt_dir.glob("epoch-*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".sha256").unlink(missing_ok=True)
-    return path
-
-
-class CheckpointError(UserError, RuntimeError):
+class OutOfMemory(UserError, RuntimeError):
     pass
-
-
-def latest_checkpoint(ckpt_dir: Path) -> dict | None:
-    """The newest checkpoint that verifies and loads; a broken one is skipped with a warning.
-    None when there is none; an error when there are some but none is usable: a silent restart
-    from scratch would throw away the run."""
-    for stale in ckpt_dir.glob(".*.tmp.pt"):  # left by a kill mid-write: never used, removed
-        stale.unlink(missing_ok=True)
-    found = sorted(ckpt_dir.glob("epoch-*.pt"), reverse=True)
-    for path in found:
-        digest = path.with_suffix(".sha256")
-        try:
-            if not digest.exists() or digest.read_text().strip() != _sha256(path):
-                raise ValueError("checksum missing or does not match (truncated or corrupted)")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            state["path"] = str(path)
-            return state
-        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous
-            warnings.warn(f"checkpoint {path} is unusable ({type(e).__name__}: {e}); "
-                          "falling back to an older one", stacklevel=2)
-    if found:
-        raise CheckpointError(f"no usable checkpoint among {', '.join(str(p) for p in found)}; "
-                              "to start this run afresh, set train.resume: never")
-    return None
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-@torch.inference_mode()
-def predict(model: nn.Module, split: Split, mean: Tensor, std: Tensor, *, device: torch.device,
-            precision: str = "fp32", batch_size: int = 512,
-            channels_last: bool = False) -> Tensor:
-    """Logits (float32, on the CPU) for a whole split, in order."""
-    model.eval()
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = []
-    for i in range(0, len(split.y), batch_size):
-        x = split.x[i:i + batch_size].to(device, non_blocking=True)
-        x = normalize(x, mean, std).contiguous(memory_format=fmt)
-        with torch.autocast(device.type, AMP_DTYPES.get(precision, torch.float32),
-                            enabled=precision in AMP_DTYPES):
-            out.append(model(x).float())
-    return torch.cat(out).cpu()
-
-
-# ---------------------------------------------------------------- the loop
 
 
 @dataclass
@@ -220,8 +76,50 @@ class TrainResult:
     train_s: float = 0.0
 
 
-class OutOfMemory(UserError, RuntimeError):
-    pass
+@dataclass
+class Setup:
+    """What stays fixed for the whole run."""
+    cfg: TrainConfig
+    device: torch.device
+    precision: str
+    fmt: torch.memory_format
+    mean: Tensor
+    std: Tensor
+    seed: int
+    pad: int  # augmentation: random-crop padding (0: off)
+    hflip: bool
+    world: int
+
+
+@dataclass
+class Parts:
+    """What the steps update."""
+    model: nn.Module  # the plain module: its weights are what is saved
+    net: nn.Module  # what runs the forward pass: `model`, wrapped by DDP and/or compiled
+    ddp: nn.parallel.DistributedDataParallel | None
+    ema: torch.optim.swa_utils.AveragedModel | None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The weights that validation judges and the run keeps: the EMA's when there is one."""
+        return self.ema.module if self.ema is not None else self.model
+
+
+@dataclass
+class LoopState:
+    """Everything besides the modules that a checkpoint carries, so that a resumed run ends
+    where an uninterrupted one would."""
+    epoch: int = 0  # epochs completed
+    step: int = 0  # optimizer steps taken
+    bad_epochs: int = 0  # epochs since validation last improved
+    history: list[dict] = field(default_factory=list)
+    best_score: tuple[float, float] = (-1.0, -math.inf)  # (val_acc, -val_loss)
+    best_epoch: int = 0
+    best_state: dict | None = None
+    last_ckpt: Path | None = None  # not saved: where this state was last written
 
 
 def _explain_oom(fn):
@@ -239,38 +137,6 @@ def _explain_oom(fn):
     return wrapper
 
 
-def reset_peak_mem(device: torch.device) -> bool:
-    """Start a new peak-memory window for `peak_mem_mb`; False where the platform cannot, and
-    the CPU figure is then the process's lifetime peak."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return True
-    # On the CPU the kernel keeps the resident high-water mark itself (VmHWM); writing 5 to
-    # clear_refs restarts it: exact, free, and no sampling thread competing with the compute.
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def proc_status_mb(key: str) -> float | None:
-    """A memory line of /proc/self/status (VmRSS, VmHWM) in MiB; None off Linux."""
-    try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return None
-    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith(key + ":")), None)
-
-
-def peak_mem_mb(device: torch.device) -> float:
-    """Peak memory since `reset_peak_mem`: CUDA's allocated bytes, the CPU's resident memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    hwm = proc_status_mb("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 @_explain_oom
 def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[float],
           std: list[float], cfg: TrainConfig, *, lr: float, epochs: int, batch_size: int,
@@ -282,296 +148,313 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
 
     `progress`: the tqdm bar (default: when stderr is a terminal); `verbose`: a line per epoch.
     `rank`/`world`: this process in an initialized torch.distributed group (DDP); `batch_size`
-    is then the global batch, split evenly across the processes.
+    is then the global batch, split evenly across the processes. `extra_state` goes into every
+    checkpoint as is.
     """
-    distributed = world > 1
-    if batch_size % world:
-        raise ValueError(f"batch_size={batch_size} is the global batch: it must divide evenly "
-                         f"among the {world} processes")
-    device = resolve_device(cfg.device)
-    if distributed and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    precision = resolve_precision(cfg.precision, device)
+    t_start = time.perf_counter()
+    setup = set_up(cfg, mean, std, seed, world)
     loader = resolve_loader(cfg, [train_split, val_split])
-    amp_dtype = AMP_DTYPES.get(precision)
-
-    if cfg.deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; set before its first use.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        # warn_only: a CUDA op without a deterministic kernel warns instead of killing the run.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # ...but not its NaN-filling of every torch.empty, a debugging aid: 10% of a CPU step
-        # here (profiled), and no kernel we use reads memory it did not write.
-        torch.utils.deterministic.fill_uninitialized_memory = False
-        torch.backends.cudnn.deterministic = True
-    # cudnn.benchmark picks the fastest conv algorithm per shape, but that choice is not repeatable.
-    torch.backends.cudnn.benchmark = not cfg.deterministic
-    # TF32 matmuls on Ampere+: ~8x the fp32 throughput for a 10-bit mantissa, harmless for training.
-    torch.set_float32_matmul_precision("high")
-
-    mean_t = torch.tensor(mean, device=device)
-    std_t = torch.tensor(std, device=device)
-    # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout transposes;
-    # it pays together with bf16: `make bench` here, CIFAR-sized, bf16 alone about 2x the
-    # samples/s of the standard loop, with channels_last and device-resident data about 2.8x.
-    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    model.to(device, memory_format=fmt)
-    # DDP all-reduces gradients bucket by bucket while the backward pass is still running.
-    ddp = nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None) if distributed else None
-    # torch.compile fuses kernels; weights are saved from `model`, the uncompiled module.
-    net = ddp or model
-    net = torch.compile(net, mode=None if cfg.compile is True else cfg.compile) if cfg.compile else net
-    ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema_decay),
-        use_buffers=True) if cfg.ema else None
-    optimizer = build_optimizer(model, cfg, lr, device)
-    # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-
-    # Overfit mode: a few fixed batches, no augmentation, to prove the model can learn at all.
-    if cfg.overfit_batches:
-        keep = epoch_order(len(train_split.y), seed, 0)[:cfg.overfit_batches * batch_size]
-        train_split = Split(train_split.x[keep], train_split.y[keep])
-    shuffle = not cfg.overfit_batches
-    pad = 0 if cfg.overfit_batches else cfg.augment_crop_pad
-    hflip = cfg.augment_hflip and not cfg.overfit_batches
-
-    n = len(train_split.y)
-    local_bs, per_rank = batch_size // world, n // world
-    sizes = [min(local_bs, per_rank - i) for i in range(0, per_rank, local_bs)]
-    if len(sizes) > 1 and sizes[-1] == 1:
-        sizes.pop()  # a batch of one breaks BatchNorm's batch statistics
-    steps_per_epoch = math.ceil(len(sizes) / cfg.accumulate)
-    total_steps = steps_per_epoch * epochs
-    schedule = dict(lr=lr, total_steps=total_steps, min_lr=cfg.min_lr, schedule=cfg.schedule,
-                    warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
-                    steps_per_epoch=steps_per_epoch, step_epochs=cfg.step_epochs,
-                    step_gamma=cfg.step_gamma)
-
-    if loader == "device":
-        # The whole split lives on the device as uint8 (4x smaller than float): batches are
-        # index_select calls, no per-sample Python, no host-to-device copy per step.
-        x_all, y_all = train_split.x.to(device), train_split.y.to(device)
-    else:
-        workers = resolve_workers(cfg)
-        sampler = EpochSampler(n, seed, shuffle, rank, world)
-        dl = torch.utils.data.DataLoader(
-            IndexedDataset(train_split), batch_size=local_bs, sampler=sampler,
-            num_workers=workers,
-            # Pinned (page-locked) host memory lets the copy below run asynchronously via DMA.
-            pin_memory=device.type == "cuda",
-            # Workers stay alive across epochs instead of being forked again every epoch.
-            persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
-            drop_last=sum(sizes) < per_rank,
-            # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
-            # each epoch, which shifts the dropout masks away from the device path's.
-            generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker)
-
-    def micro_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        if loader == "device":
-            order = rank_order(n, seed, epoch, shuffle, rank, world).to(device)
-            start = 0
-            for size in sizes:
-                idx = order[start:start + size]
-                start += size
-                yield x_all[idx], y_all[idx], idx
-        else:
-            sampler.set_epoch(epoch)
-            for x, y, idx in dl:
-                # non_blocking: the copy overlaps with compute (it is async from pinned memory).
-                yield (x.to(device, non_blocking=True), y.to(device, non_blocking=True),
-                       idx.to(device, non_blocking=True))
-
-    # State that a checkpoint carries; resume restores all of it so that the run ends where an
-    # uninterrupted one would.
-    start_epoch, step, plateau_scale, bad_epochs = 0, 0, 1.0, 0
-    history: list[dict] = []
-    best = {"score": (-1.0, -math.inf), "epoch": 0, "state": None}
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scaler.load_state_dict(resume["scaler"])
-        if ema is not None:
-            ema.load_state_dict(resume["ema"])
-        torch.set_rng_state(resume["rng"]["torch"])
-        if device.type == "cuda" and resume["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(resume["rng"]["cuda"])
-        start_epoch, step = resume["epoch"], resume["step"]
-        plateau_scale, bad_epochs = resume["plateau_scale"], resume["bad_epochs"]
-        history = list(resume["history"])
-        best = {"score": tuple(resume["best"]["score"]), "epoch": resume["best"]["epoch"],
-                "state": resume["best"]["state"]}
-        if rank == 0:
-            print(f"resuming from {resume.get('path', 'checkpoint')} at epoch {start_epoch + 1}",
-                  file=sys.stderr)
-
+    train_split = overfit_subset(train_split, cfg, batch_size, seed)
+    plan = plan_batches(len(train_split.y), batch_size, world, cfg.accumulate)
+    batches = batch_source(loader, train_split, plan, setup, rank)
+    parts = wrap(model, setup, lr)
+    schedule = Schedule.from_config(cfg, lr, plan.steps_per_epoch, epochs)
+    state = restore(resume, parts, schedule, setup, rank) if resume is not None else LoopState()
+    guard = NonFiniteGuard(setup.device, world > 1)
     show_bar = (sys.stderr.isatty() if progress is None else progress) and rank == 0
-    last_ckpt: Path | None = Path(resume["path"]) if resume and "path" in resume else None
     stopped_early = False
-    flag_host = torch.zeros((), dtype=torch.bool, pin_memory=device.type == "cuda")
-    flag_event: torch.cuda.Event | None = None
-    prev_lr = lr
-    t_train = time.perf_counter()
 
-    for epoch in range(start_epoch, epochs):
-        model.train()
+    for epoch in range(state.epoch, epochs):
         t0 = time.perf_counter()
-        reset_peak_mem(device)
-        # Sums stay on the device: .item() is a host-device sync, so it happens only when logging.
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device, dtype=torch.long)
-        grad_norm_sum = torch.zeros((), device=device)
-        seen = 0
-        bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
+        reset_peak_mem(setup.device)
+        bar = tqdm(total=plan.steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
                    disable=not show_bar, dynamic_ncols=True)
-        batches = micro_batches(epoch)
-        for _ in range(steps_per_epoch):
-            window = [b for _, b in zip(range(cfg.accumulate), batches, strict=False)]
-            window_n = sum(len(y) for _, y, _ in window)
-            window_loss = torch.zeros((), device=device)
-            for i, (x, y, idx) in enumerate(window):
-                # Augmentation keyed by (seed, epoch, sample index), batched on the device.
-                if pad or hflip:
-                    x = augment(x, idx, seed, epoch, pad, hflip)
-                x = normalize(x, mean_t, std_t).contiguous(memory_format=fmt)
-                # DDP: gradients are all-reduced once per window, on its last micro-batch.
-                sync = ddp.no_sync() if ddp and i < len(window) - 1 else contextlib.nullcontext()
-                with sync:
-                    # Autocast runs convs and matmuls in bf16/fp16, reductions in fp32.
-                    with torch.autocast(device.type, amp_dtype or torch.float32,
-                                        enabled=amp_dtype is not None):
-                        logits = net(x)
-                    loss = criterion(logits.float(), y)
-                    # Weighted by the micro-batch's share of the window: the accumulated
-                    # gradient equals one batch of window_n samples, also for a short window.
-                    scaler.scale(loss * (len(y) / window_n)).backward()
-                window_loss += loss.detach() * len(y)
-                correct += (logits.argmax(1) == y).sum()
-            loss_sum += window_loss
-            seen += window_n
-
-            # Unscale before clipping, so the threshold applies to the true gradient (fp16 only).
-            scaler.unscale_(optimizer)
-            grad_norm = nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.clip_grad_norm if cfg.clip_grad_norm > 0 else math.inf)
-            grad_norm_sum += grad_norm
-            step_lr = lr_at(step, **schedule) * plateau_scale
-            for group in optimizer.param_groups:
-                group["lr"] = step_lr
-            scaler.step(optimizer)
-            scaler.update()
-            # set_to_none frees the gradient memory and skips a zero-fill kernel.
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update_parameters(model)
-
-            # Non-finite guard, within one step. On the CPU reading the loss is free; on CUDA the
-            # flag goes to pinned memory asynchronously and is read one step later, so the GPU
-            # queue never drains.
-            if flag_event is not None:
-                flag_event.synchronize()
-                if flag_host.item():
-                    raise NonFiniteLossError(_nonfinite_message(step - 1, epoch, prev_lr, last_ckpt))
-            bad = (~torch.isfinite(window_loss)).float()
-            if distributed:  # every rank stops at the same step, or the others wait forever
-                torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-            flag_host.copy_(bad > 0, non_blocking=True)
-            if device.type == "cuda":
-                flag_event = torch.cuda.Event()
-                flag_event.record()
-            elif flag_host.item():
-                raise NonFiniteLossError(_nonfinite_message(step, epoch, step_lr, last_ckpt))
-            prev_lr = step_lr
-            step += 1
-            if step % cfg.log_every == 0:
-                step_loss = window_loss.item() / window_n
-                log({"train_loss_step": step_loss, "lr_step": step_lr}, step)
-                bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{step_lr:.2e}",
-                                samples_s=f"{seen / (time.perf_counter() - t0):.0f}")
-            bar.update()
+        sums = train_epoch(setup, parts, plan, batches(epoch), schedule, state, guard, epoch,
+                           log, bar)
         bar.close()
-
-        if distributed:  # the epoch's figures over all ranks
-            totals = torch.stack([loss_sum, correct.to(loss_sum.dtype)])
-            torch.distributed.all_reduce(totals)
-            loss_sum, correct, seen = totals[0], totals[1], seen * world
-            # BatchNorm statistics are per rank: validate every rank with rank 0's, so they all
-            # see the same val_acc and take the same best-epoch and early-stopping decisions.
-            for module in (model, ema.module if ema is not None else None):
-                for buffer in module.buffers() if module is not None else []:
-                    torch.distributed.broadcast(buffer, 0)
-        train_loss = loss_sum.item() / seen  # one sync per epoch
-        if not math.isfinite(train_loss):
-            raise NonFiniteLossError(_nonfinite_message(step - 1, epoch, step_lr, last_ckpt))
-        flag_event = None  # the epoch's last step is checked by the line above
+        train_loss, train_acc = epoch_figures(sums, setup, parts, guard, state, epoch)
         train_s = time.perf_counter() - t0
-        eval_model = ema.module if ema is not None else net
-        val_logits = predict(eval_model, val_split, mean_t, std_t, device=device,
-                             precision=precision, batch_size=max(batch_size, 256),
-                             channels_last=cfg.channels_last)
-        val_loss = F.cross_entropy(val_logits, val_split.y).item()
-        val_acc = (val_logits.argmax(1) == val_split.y).float().mean().item()
-        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": float(correct) / seen,
-               "val_loss": val_loss, "val_acc": val_acc, "lr": step_lr,
-               "grad_norm": grad_norm_sum.item() / steps_per_epoch,
-               "samples_per_s": seen / train_s, "epoch_s": time.perf_counter() - t0,
-               "peak_mem_mb": peak_mem_mb(device)}
-        history.append(row)
+        val_loss, val_acc = validate(parts, val_split, setup, max(batch_size, 256))
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
+               "val_loss": val_loss, "val_acc": val_acc, "lr": sums["lr"],
+               "grad_norm": sums["grad_norm"].item() / plan.steps_per_epoch,
+               "samples_per_s": sums["seen"] / train_s, "epoch_s": time.perf_counter() - t0,
+               "peak_mem_mb": peak_mem_mb(setup.device)}
+        state.history.append(row)
         log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1)
         if verbose and rank == 0:
-            print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} "
-                  f"train_acc {row['train_acc']:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} "
-                  f"lr {step_lr:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
+            print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} train_acc "
+                  f"{train_acc:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} lr "
+                  f"{row['lr']:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
                   file=sys.stderr, flush=True)
 
-        # Best by validation accuracy, ties broken by lower validation loss.
-        score = (val_acc, -val_loss)
-        improved = score > best["score"]
-        if improved:
-            src = ema.module if ema is not None else model
-            best = {"score": score, "epoch": epoch + 1,
-                    "state": {k: v.detach().cpu().clone() for k, v in src.state_dict().items()}}
-            bad_epochs = 0
-        else:
-            bad_epochs += 1
-        if cfg.schedule == "plateau" and bad_epochs and bad_epochs % cfg.plateau_patience == 0:
-            plateau_scale *= cfg.plateau_factor
-        stop = cfg.early_stopping_patience and bad_epochs >= cfg.early_stopping_patience
-
+        keep_best(state, parts, val_acc, val_loss, epoch)
+        schedule.end_epoch(state.bad_epochs)
+        state.epoch = epoch + 1
         if ckpt_dir is not None and rank == 0:
-            last_ckpt = save_checkpoint({
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema else None,
-                "rng": {"torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else []},
-                "epoch": epoch + 1, "step": step, "plateau_scale": plateau_scale,
-                "bad_epochs": bad_epochs, "history": history,
-                "best": {"score": list(best["score"]), "epoch": best["epoch"],
-                         "state": best["state"]},
-                **(extra_state or {}),
-            }, ckpt_dir, epoch + 1)
-        if stop:
-            stopped_early = True
+            state.last_ckpt = save_checkpoint(
+                checkpoint_state(parts, schedule, state, setup, extra_state), ckpt_dir, epoch + 1)
+        stopped_early = bool(cfg.early_stopping_patience) and \
+            state.bad_epochs >= cfg.early_stopping_patience
+        if stopped_early:
             if verbose and rank == 0:
-                print(f"early stopping: no val_acc improvement for {bad_epochs} epochs",
+                print(f"early stopping: no val_acc improvement for {state.bad_epochs} epochs",
                       file=sys.stderr)
             break
 
-    final = ema.module if ema is not None else model
-    if best["state"] is not None:
-        final.load_state_dict(best["state"])
-    final = copy.deepcopy(final).cpu().to(memory_format=torch.contiguous_format)
+    final = parts.evaluated
+    if state.best_state is not None:
+        final.load_state_dict(state.best_state)
     return TrainResult(
-        model=final, history=history, best_epoch=best["epoch"], best_val_acc=best["score"][0],
-        best_val_loss=-best["score"][1], epochs_run=len(history), stopped_early=stopped_early,
-        device=str(device), precision=precision, loader=loader,
-        train_s=time.perf_counter() - t_train)
+        model=copy.deepcopy(final).cpu().to(memory_format=torch.contiguous_format),
+        history=state.history, best_epoch=state.best_epoch, best_val_acc=state.best_score[0],
+        best_val_loss=-state.best_score[1], epochs_run=len(state.history),
+        stopped_early=stopped_early, device=str(setup.device),
+        precision=setup.precision, loader=loader, train_s=time.perf_counter() - t_start)
 
 
-def _nonfinite_message(step: int, epoch: int, lr: float, last_ckpt: Path | None) -> str:
+# ---------------------------------------------------------------- setting up
+
+
+def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
+           world: int) -> Setup:
+    # Under torchrun each process has its own GPU, which distributed.init made current.
+    device = resolve_device(cfg.device, torch.cuda.current_device() if world > 1 and
+                            torch.cuda.is_available() else None)
+    set_backends(cfg.deterministic)
+    # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout
+    # transposes; it pays together with bf16 (README "How fast").
+    fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    overfit = cfg.overfit_batches > 0
+    return Setup(cfg, device, resolve_precision(cfg.precision, device), fmt,
+                 torch.tensor(mean, device=device), torch.tensor(std, device=device), seed,
+                 0 if overfit else cfg.augment_crop_pad, cfg.augment_hflip and not overfit, world)
+
+
+def overfit_subset(split: Split, cfg: TrainConfig, batch_size: int, seed: int) -> Split:
+    """Overfit mode: a few fixed batches, in order and without augmentation (see `set_up`), to
+    prove that the model can learn at all."""
+    if not cfg.overfit_batches:
+        return split
+    keep = epoch_order(len(split.y), seed, 0)[:cfg.overfit_batches * batch_size]
+    return Split(split.x[keep], split.y[keep])
+
+
+def batch_source(loader: str, split: Split, plan: BatchPlan, setup: Setup, rank: int) -> Batches:
+    shuffle = not setup.cfg.overfit_batches
+    if loader == "device":
+        return device_batches(split, plan, setup.device, setup.seed, shuffle, rank, setup.world)
+    return loader_batches(split, plan, setup.device, setup.seed, shuffle, rank, setup.world,
+                          setup.cfg.num_workers)
+
+
+def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
+    cfg, device = setup.cfg, setup.device
+    model.to(device, memory_format=setup.fmt)
+    # DDP all-reduces gradients bucket by bucket while the backward pass is still running.
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if setup.world > 1 else None
+    # torch.compile fuses kernels; weights are saved from `model`, the uncompiled module.
+    net = ddp or model
+    if cfg.compile:
+        net = torch.compile(net, mode=None if cfg.compile is True else cfg.compile)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema_decay),
+        use_buffers=True) if cfg.ema else None
+    # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
+    scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
+    return Parts(model, net, ddp, ema, build_optimizer(model, cfg, lr, device), scaler,
+                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing))
+
+
+# ---------------------------------------------------------------- one epoch, one step
+
+
+def train_epoch(setup: Setup, parts: Parts, plan: BatchPlan, batches, schedule: Schedule,
+                state: LoopState, guard: NonFiniteGuard, epoch: int, log: Log, bar: tqdm) -> dict:
+    # Sums stay on the device: .item() is a host-device sync, so it happens only when logging.
+    sums = {"loss": torch.zeros((), device=setup.device), "grad_norm": torch.zeros((), device=setup.device),
+            "correct": torch.zeros((), device=setup.device, dtype=torch.long), "seen": 0, "lr": 0.0}
+    t0 = time.perf_counter()
+    parts.model.train()  # validation left it in eval mode
+    for window in windows(batches, plan):
+        window_loss, n = forward_backward(setup, parts, window, epoch, sums)
+        lr = schedule.lr_at(state.step)
+        sums["grad_norm"] += optimizer_step(parts, setup.cfg, lr)
+        guard.check(window_loss, state.step, epoch, lr, state.last_ckpt)
+        state.step += 1
+        sums["lr"] = lr
+        if state.step % setup.cfg.log_every == 0:
+            step_loss = window_loss.item() / n
+            log({"train_loss_step": step_loss, "lr_step": lr}, state.step)
+            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}",
+                            samples_s=f"{sums['seen'] / (time.perf_counter() - t0):.0f}")
+        bar.update()
+    return sums
+
+
+def forward_backward(setup: Setup, parts: Parts, window: list, epoch: int,
+                     sums: dict) -> tuple[Tensor, int]:
+    """Gradients of one optimizer step, accumulated over its micro-batches."""
+    window_n = sum(len(y) for _, y, _ in window)
+    window_loss = torch.zeros((), device=setup.device)
+    for i, (x, y, idx) in enumerate(window):
+        # Augmentation keyed by (seed, epoch, sample index), batched on the device.
+        if setup.pad or setup.hflip:
+            x = augment(x, idx, setup.seed, epoch, setup.pad, setup.hflip)
+        x = normalize(x, setup.mean, setup.std).contiguous(memory_format=setup.fmt)
+        # DDP: gradients are all-reduced once per window, on its last micro-batch.
+        last = i == len(window) - 1
+        with parts.ddp.no_sync() if parts.ddp and not last else contextlib.nullcontext():
+            with autocast(setup.device, setup.precision):
+                logits = parts.net(x)
+            loss = parts.criterion(logits.float(), y)
+            # Weighted by the micro-batch's share of the window: the accumulated gradient
+            # equals one batch of window_n samples, also for a short window.
+            parts.scaler.scale(loss * (len(y) / window_n)).backward()
+        window_loss += loss.detach() * len(y)
+        sums["correct"] += (logits.argmax(1) == y).sum()
+    sums["loss"] += window_loss
+    sums["seen"] += window_n
+    return window_loss, window_n
+
+
+def optimizer_step(parts: Parts, cfg: TrainConfig, lr: float) -> Tensor:
+    """Clip, step, update the EMA; returns the gradient norm before clipping."""
+    # Unscale before clipping, so the threshold applies to the true gradient (fp16 only).
+    parts.scaler.unscale_(parts.optimizer)
+    grad_norm = nn.utils.clip_grad_norm_(
+        parts.model.parameters(), cfg.clip_grad_norm if cfg.clip_grad_norm > 0 else math.inf)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr
+    parts.scaler.step(parts.optimizer)
+    parts.scaler.update()
+    # set_to_none frees the gradient memory and skips a zero-fill kernel.
+    parts.optimizer.zero_grad(set_to_none=True)
+    if parts.ema is not None:
+        parts.ema.update_parameters(parts.model)
+    return grad_norm
+
+
+class NonFiniteGuard:
+    """Stops the run within one step of a non-finite loss. On the CPU reading the flag is free;
+    on CUDA it goes to pinned memory asynchronously and is read one step later, so the GPU
+    queue never drains."""
+
+    def __init__(self, device: torch.device, distributed: bool):
+        self.device, self.distributed = device, distributed
+        self.flag = torch.zeros((), dtype=torch.bool, pin_memory=device.type == "cuda")
+        self.pending: tuple[torch.cuda.Event, int, int, float] | None = None
+
+    def check(self, loss: Tensor, step: int, epoch: int, lr: float, last_ckpt: Path | None) -> None:
+        if self.pending is not None:
+            event, *where = self.pending
+            event.synchronize()
+            if self.flag.item():
+                raise NonFiniteLossError(nonfinite_message(*where, last_ckpt))
+        bad = (~torch.isfinite(loss)).float()
+        if self.distributed:  # every rank stops at the same step, or the others wait forever
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        self.flag.copy_(bad > 0, non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.pending = (event, step, epoch, lr)
+        elif self.flag.item():
+            raise NonFiniteLossError(nonfinite_message(step, epoch, lr, last_ckpt))
+
+    def end_epoch(self) -> None:
+        self.pending = None  # the epoch's last step is checked by its loss sum
+
+
+def nonfinite_message(step: int, epoch: int, lr: float, last_ckpt: Path | None) -> str:
     kept = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
     return (f"non-finite loss at step {step} (epoch {epoch + 1}, lr {lr:.3g}); {kept}. "
             "Try a lower lr, check the data for NaN/inf values, or set train.clip_grad_norm.")
+
+
+# ---------------------------------------------------------------- the end of an epoch
+
+
+def epoch_figures(sums: dict, setup: Setup, parts: Parts, guard: NonFiniteGuard,
+                  state: LoopState, epoch: int) -> tuple[float, float]:
+    """Training loss and accuracy of the epoch, over all processes."""
+    loss, correct, seen = sums["loss"], sums["correct"], sums["seen"]
+    if setup.world > 1:
+        totals = torch.stack([loss, correct.to(loss.dtype)])
+        torch.distributed.all_reduce(totals)
+        loss, correct, seen = totals[0], totals[1], seen * setup.world
+        # BatchNorm statistics are per process: validate every process with rank 0's, so they
+        # all see the same val_acc and take the same best-epoch and early-stopping decisions.
+        for module in (parts.model, parts.ema.module if parts.ema is not None else None):
+            for buffer in module.buffers() if module is not None else []:
+                torch.distributed.broadcast(buffer, 0)
+    train_loss = loss.item() / seen  # one sync per epoch
+    if not math.isfinite(train_loss):
+        raise NonFiniteLossError(nonfinite_message(state.step - 1, epoch, sums["lr"], state.last_ckpt))
+    guard.end_epoch()
+    return train_loss, float(correct) / seen
+
+
+def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> tuple[float, float]:
+    net = parts.ema.module if parts.ema is not None else parts.net
+    logits = predict(net, split, setup.mean, setup.std, device=setup.device,
+                     precision=setup.precision, batch_size=batch_size,
+                     channels_last=setup.cfg.channels_last)
+    return (F.cross_entropy(logits, split.y).item(),
+            (logits.argmax(1) == split.y).float().mean().item())
+
+
+def keep_best(state: LoopState, parts: Parts, val_acc: float, val_loss: float, epoch: int) -> None:
+    """Best by validation accuracy, ties broken by lower validation loss."""
+    score = (val_acc, -val_loss)
+    if score > state.best_score:
+        state.best_score, state.best_epoch, state.bad_epochs = score, epoch + 1, 0
+        state.best_state = {k: v.detach().cpu().clone() for k, v in parts.evaluated.state_dict().items()}
+    else:
+        state.bad_epochs += 1
+
+
+# ---------------------------------------------------------------- the checkpoint: written and restored here
+
+
+def checkpoint_state(parts: Parts, schedule: Schedule, state: LoopState, setup: Setup,
+                     extra: dict | None) -> dict:
+    cuda = setup.device.type == "cuda"
+    return {
+        "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.scaler.state_dict(),
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if cuda else []},
+        "schedule": schedule.state_dict(),
+        "epoch": state.epoch, "step": state.step, "bad_epochs": state.bad_epochs,
+        "history": state.history, "best_score": list(state.best_score),
+        "best_epoch": state.best_epoch, "best_state": state.best_state,
+        **(extra or {}),
+    }
+
+
+def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: int) -> LoopState:
+    try:
+        parts.model.load_state_dict(ckpt["model"])
+        parts.optimizer.load_state_dict(ckpt["optimizer"])
+        parts.scaler.load_state_dict(ckpt["scaler"])
+        if parts.ema is not None:
+            parts.ema.load_state_dict(ckpt["ema"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if setup.device.type == "cuda" and ckpt["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        schedule.load_state_dict(ckpt["schedule"])
+        state = LoopState(ckpt["epoch"], ckpt["step"], ckpt["bad_epochs"], list(ckpt["history"]),
+                          tuple(ckpt["best_score"]), ckpt["best_epoch"], ckpt["best_state"],
+                          Path(ckpt["path"]) if "path" in ckpt else None)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.get('path', 'the checkpoint')} does not fit this run "
+                              f"({type(e).__name__}: {e}); to start afresh, set train.resume: "
+                              "never") from e
+    if rank == 0:
+        print(f"resuming from {ckpt.get('path', 'checkpoint')} at epoch {state.epoch + 1}",
+              file=sys.stderr)
+    return state

@@ -1,13 +1,18 @@
-"""Model builders: `build_model(cfg, channels, num_classes)` for every `model.arch`."""
+"""Model builders and the registry `ARCHS` that `model.arch` names an entry of.
+
+A new model: a function `(cfg, channels, num_classes) -> nn.Module` here, its entry in `ARCHS`,
+its name in `config.ARCHS` (a test keeps the two equal); new hyperparameters go in `ModelConfig`.
+"""
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from stages.config import ARCHS, ModelConfig, UserError
+from stages.config import ModelConfig, UserError
 
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
@@ -16,34 +21,38 @@ def _block(c_in: int, c_out: int) -> nn.Sequential:
                          nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
 
 
-def small_cnn(channels: int, num_classes: int, width: int, dropout: float) -> nn.Module:
+def small_cnn(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
     """A VGG-style CNN for small images (8 to 64 px): two pooled stages, global average pool."""
-    w = width
+    w = cfg.width
     return nn.Sequential(
         _block(channels, w), _block(w, w), nn.MaxPool2d(2),
         _block(w, 2 * w), _block(2 * w, 2 * w), nn.MaxPool2d(2),
         _block(2 * w, 4 * w),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(4 * w, num_classes),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(cfg.dropout), nn.Linear(4 * w, num_classes),
     )
 
 
-def small_resnet18(channels: int, num_classes: int, dropout: float) -> nn.Module:
+def small_resnet18(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
     """torchvision's resnet18 for small inputs: a 3x3 stride-1 stem and no max-pool, as for CIFAR."""
     from torchvision.models import resnet18
 
     m = resnet18(num_classes=num_classes)
     m.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
     m.maxpool = nn.Identity()
-    m.fc = nn.Sequential(nn.Dropout(dropout), m.fc)
+    m.fc = nn.Sequential(nn.Dropout(cfg.dropout), m.fc)
     return m
 
 
+ARCHS: dict[str, Callable[[ModelConfig, int, int], nn.Module]] = {
+    "cnn": small_cnn,
+    "resnet18": small_resnet18,
+}
+
+
 def build_model(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
-    if cfg.arch == "cnn":
-        return small_cnn(channels, num_classes, cfg.width, cfg.dropout)
-    if cfg.arch == "resnet18":
-        return small_resnet18(channels, num_classes, cfg.dropout)
-    raise ValueError(f"unknown model.arch {cfg.arch!r}; choose from {sorted(ARCHS)}")
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"unknown model.arch {cfg.arch!r}; choose from {sorted(ARCHS)}")
+    return ARCHS[cfg.arch](cfg, channels, num_classes)
 
 
 def count_params(model: nn.Module) -> int:

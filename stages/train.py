@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 
 from stages import distributed, tracking
-from stages.config import Params, flatten, load_params, params_hash, repo_root, run_stage
+from stages.checkpoints import latest_checkpoint
+from stages.config import PREPARED, TRAIN_DIR, Params, flatten, load_params, params_hash, repo_root, run_stage
 from stages.data import load_meta, load_split
 from stages.files import save_torch, write_csv, write_json
-from stages.loop import latest_checkpoint, train
+from stages.loop import train
 from stages.models import build_model, count_params
 
-PREPARED = Path("data/prepared")
-OUT = Path("models/train")
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
 TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
@@ -94,13 +93,13 @@ def train_stage(params: Params, rank: int, world: int) -> None:
                       "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
                       "channels": meta["channels"], "image_size": meta["image_size"],
                       "resize": meta["resize"], "best_epoch": result.best_epoch}
-        save_torch(OUT / "model.pt", checkpoint)
+        save_torch(TRAIN_DIR / "model.pt", checkpoint)
         # What is worth comparing between experiments; timings and ids go to MLflow only.
         metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
                    "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
                    "num_params": count_params(result.model)}
-        write_json(OUT / "metrics.json", metrics)
-        write_csv(OUT / "history.csv", HISTORY,
+        write_json(TRAIN_DIR / "metrics.json", metrics)
+        write_csv(TRAIN_DIR / "history.csv", HISTORY,
                   ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
                    for r in result.history))
         run.set_tags({"device": result.device, "precision": result.precision,
@@ -108,8 +107,8 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         run.log_metrics(metrics | {"train_s": result.train_s, "samples_per_s":
                                    statistics.median(r["samples_per_s"] for r in result.history)})
         for name in ("metrics.json", "history.csv"):
-            run.log_artifact(OUT / name, "train")
-        tracking.link_model(run, OUT / "model.pt")
+            run.log_artifact(TRAIN_DIR / name, "train")
+        tracking.link_model(run, TRAIN_DIR / "model.pt")
 
     shutil.rmtree(ckpt_dir, ignore_errors=True)  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stages.config import DataConfig
-from stages.data import SPLITS, Split, build_meta, load_digits, resize, stratified_split
+from stages.data import SPLITS, Split
+from stages.sources import build_meta, load_digits, resize, stratified_split
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

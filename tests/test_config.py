@@ -90,3 +90,32 @@ def test_every_param_is_explained_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     missing = [k for k in flatten(Params()) if f"| `{k}` |" not in readme]
     assert not missing, f"document these params in README.md: {missing}"
+
+
+def test_each_registry_holds_exactly_the_choices_the_config_accepts(tmp_path):
+    import torch
+
+    from stages import config, models, sources
+    from stages.config import ModelConfig
+
+    assert list(models.ARCHS) == list(config.ARCHS)
+    assert list(sources.SOURCES) == list(config.SOURCES)
+    for arch in config.ARCHS:  # every registered model builds and classifies
+        model = models.build_model(ModelConfig(arch=arch, width=4), 3, 7).eval()
+        assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 7)
+    with pytest.raises(ParamsError, match="model.arch='vit'.*choose one of cnn, resnet18"):
+        load_params(write(tmp_path, "model:\n  arch: vit\n"))
+
+
+def test_defaults_agree_in_the_schema_params_yaml_and_the_readme():
+    """The schema's defaults are the shipped params.yaml and the README's default column."""
+    import re
+
+    assert load_params(ROOT / "params.yaml") == Params()
+    rows = re.findall(r"^\| `([\w.]+)` \| ([^|]*) \|", (ROOT / "README.md").read_text(), re.M)
+    documented = {key: default.strip() for key, default in rows}
+    for key, value in flatten(Params()).items():
+        shown = str(value).lower() if isinstance(value, bool) else str(value)
+        assert key in documented, f"README's parameter table lacks {key}"
+        assert documented[key] in (shown, f"`{shown}`", f"'{shown}'", '""' * (value == "")), \
+            f"README says {key} defaults to {documented[key]!r}; the schema says {value!r}"

@@ -9,7 +9,9 @@ import sys
 
 import torch
 
-from stages.data import SPLITS, augment, epoch_order, load_split, stratified_split
+from stages.batches import augment, epoch_order
+from stages.data import SPLITS, load_split
+from stages.sources import stratified_split
 from tests.conftest import ROOT, run, set_params
 
 

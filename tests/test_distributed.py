@@ -13,7 +13,7 @@ from stages.config import TrainConfig
 from stages.data import Split, save_prepared
 from stages.loop import train
 from tests.conftest import ROOT, env_with, run, set_params
-from tests.test_loop import CPU_FP32, linear_model
+from tests.training import CPU_FP32, linear_model
 
 
 def _worker(rank: int, world: int, init: str, data: dict, out: str) -> None:

@@ -4,9 +4,11 @@ one would let the run-cache restore outputs that a code change made stale."""
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from stages import config
 from tests.conftest import ROOT
 
 
@@ -31,12 +33,41 @@ def stage_imports(module: str) -> set[str]:
     return {f"stages/{n}.py" for n in seen}
 
 
-def test_every_stage_depends_on_all_the_code_it_runs():
-    stages = OmegaConf.to_container(OmegaConf.load(ROOT / "dvc.yaml"))["stages"]
+def dvc_stages() -> dict:
+    return OmegaConf.to_container(OmegaConf.load(ROOT / "dvc.yaml"))["stages"]
+
+
+def test_every_stage_depends_on_exactly_the_code_it_runs():
+    stages = dvc_stages()
     assert list(stages) == ["prepare", "train", "evaluate", "export"]
     for name, stage in stages.items():
         assert stage["cmd"] == f"python -m stages.{name}"
         deps = set(stage["deps"])
         assert "requirements.lock" in deps, f"stage {name}: library versions change results"
-        missing = stage_imports(name) - deps
+        code = {d for d in deps if d.startswith("stages/")}
+        missing, extra = stage_imports(name) - code, code - stage_imports(name)
         assert not missing, f"stage {name}: add {sorted(missing)} to its deps in dvc.yaml"
+        # An extra one would rerun the stage for changes that cannot affect it.
+        assert not extra, f"stage {name}: it never imports {sorted(extra)}; drop them from its deps"
+
+
+def test_a_training_only_change_never_reruns_prepare():
+    prepare = set(dvc_stages()["prepare"]["deps"])
+    for module in ("loop", "batches", "optim", "checkpoints", "runtime", "models", "train"):
+        assert f"stages/{module}.py" not in prepare
+    # ...and evaluation and export never depend on the training loop.
+    for stage in ("evaluate", "export"):
+        assert not {"stages/loop.py", "stages/batches.py", "stages/optim.py"} & \
+            set(dvc_stages()[stage]["deps"])
+
+
+def test_the_code_writes_where_dvc_yaml_says():
+    stages = dvc_stages()
+    outs = {name: [next(iter(o)) if isinstance(o, dict) else o
+                   for kind in ("outs", "metrics", "plots") for o in stage.get(kind, [])]
+            for name, stage in stages.items()}
+    assert outs["prepare"] == [str(config.PREPARED)]
+    assert {str(Path(o).parent) for o in outs["train"]} == {str(config.TRAIN_DIR)}
+    assert {str(Path(o).parent) for o in outs["evaluate"]} == {str(config.EVAL_DIR)}
+    assert outs["export"] == [str(config.EXPORT_DIR)]
+    assert str(config.PREPARED) in stages["train"]["deps"]

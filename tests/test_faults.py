@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from stages import files
+from stages.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint
 from stages.data import save_prepared
-from stages.loop import CheckpointError, OutOfMemory, latest_checkpoint, save_checkpoint
+from stages.loop import OutOfMemory
 from tests.conftest import ROOT, copy_repo, env_with, run, set_params
-from tests.test_loop import cnn, fit, fit_ckpt, linear_model, same_weights
+from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
 
 # ------------------------------------------------------------ 1, 2: broken checkpoint files
 

@@ -1,0 +1,186 @@
+"""Training batches: the batch plan, the two batch sources (device-resident data or a
+DataLoader) and the augmentation. Both sources give every sample in the same order, the same
+augmentation and the same batches, whatever the loader, worker count or rank."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stages.config import TrainConfig
+from stages.data import Split
+
+# epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
+Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
+
+
+@dataclass
+class BatchPlan:
+    sizes: list[int]  # this process's micro-batch sizes, the same every epoch
+    accumulate: int  # micro-batches per optimizer step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.sizes) // self.accumulate)
+
+
+def plan_batches(n: int, batch_size: int, world: int, accumulate: int) -> BatchPlan:
+    """`batch_size` is the global batch: each of the `world` processes takes an equal share."""
+    if batch_size % world:
+        raise ValueError(f"batch_size={batch_size} is the global batch: it must divide evenly "
+                         f"among the {world} processes")
+    local_bs, per_rank = batch_size // world, n // world
+    sizes = [min(local_bs, per_rank - i) for i in range(0, per_rank, local_bs)]
+    if len(sizes) > 1 and sizes[-1] == 1:
+        sizes.pop()  # a batch of one breaks BatchNorm's batch statistics
+    return BatchPlan(sizes, accumulate)
+
+
+def windows(batches: Iterator, plan: BatchPlan) -> Iterator[list]:
+    """The micro-batches of each optimizer step."""
+    for _ in range(plan.steps_per_epoch):
+        yield list(itertools.islice(batches, plan.accumulate))
+
+
+def resolve_loader(cfg: TrainConfig, splits: list[Split]) -> str:
+    if cfg.loader != "auto":
+        return cfg.loader
+    size_mb = sum(s.x.numel() * s.x.element_size() for s in splits) / 2**20
+    return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
+
+
+def device_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
+                   shuffle: bool, rank: int, world: int) -> Batches:
+    # The whole split lives on the device as uint8 (4x smaller than float): batches are
+    # index_select calls, no per-sample Python, no host-to-device copy per step.
+    x_all, y_all = split.x.to(device), split.y.to(device)
+
+    def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        order = rank_order(len(split.y), seed, epoch, shuffle, rank, world).to(device)
+        for idx in order[:sum(plan.sizes)].split(plan.sizes):
+            yield x_all[idx], y_all[idx], idx
+
+    return epoch_batches
+
+
+def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
+                   shuffle: bool, rank: int, world: int, num_workers: int | str) -> Batches:
+    workers = resolve_workers(num_workers)
+    sampler = EpochSampler(len(split.y), seed, shuffle, rank, world)
+    dl = torch.utils.data.DataLoader(
+        IndexedDataset(split), batch_size=plan.sizes[0], sampler=sampler, num_workers=workers,
+        # Pinned (page-locked) host memory lets the copy below run asynchronously via DMA.
+        pin_memory=device.type == "cuda",
+        # Workers stay alive across epochs instead of being forked again every epoch.
+        persistent_workers=workers > 0, prefetch_factor=4 if workers else None,
+        drop_last=sum(plan.sizes) < len(sampler),
+        # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
+        # each epoch, which shifts the dropout masks away from the device path's.
+        generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker)
+
+    def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        sampler.set_epoch(epoch)
+        for x, y, idx in dl:
+            # non_blocking: the copy overlaps with compute (it is async from pinned memory).
+            yield (x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                   idx.to(device, non_blocking=True))
+
+    return epoch_batches
+
+
+def resolve_workers(num_workers: int | str) -> int:
+    if num_workers != "auto":
+        return int(num_workers)
+    # One core stays with the training process; more than 8 workers rarely pays for small images.
+    return max(0, min(8, (os.cpu_count() or 1) - 1))
+
+
+def seed_worker(worker_id: int) -> None:
+    """numpy and random in a worker from the seed torch derived for it (base seed + worker id)."""
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _hash(seed: int, epoch: int, idx: Tensor, salt: int) -> Tensor:
+    # splitmix-style integer mixing of (seed, epoch, sample index): a sample gets the same
+    # augmentation whatever batch, worker, loader or rank draws it, so results do not depend
+    # on num_workers and a resumed epoch replays exactly. int64 products wrap on every device.
+    base = ((seed * 1_000_003 + epoch) * 7919 + salt) * 0x632BE59BD9B4E019 % 2**63
+    z = idx.long() + base
+    for _ in range(2):
+        z = (z ^ (z >> 31)) * 0x5851F42D4C957F2D
+    return (z ^ (z >> 29)).abs()
+
+
+def augment(x: Tensor, idx: Tensor, seed: int, epoch: int, pad: int, hflip: bool) -> Tensor:
+    """Batched random crop with zero padding (and optional flip), on whatever device x is."""
+    n, _, h, w = x.shape
+    if pad:
+        xp = F.pad(x, (pad, pad, pad, pad))
+        dy = _hash(seed, epoch, idx, 1) % (2 * pad + 1)
+        dx = _hash(seed, epoch, idx, 2) % (2 * pad + 1)
+        rows = (dy[:, None] + torch.arange(h, device=x.device))[:, :, None]  # (N, H, 1)
+        cols = (dx[:, None] + torch.arange(w, device=x.device))[:, None, :]  # (N, 1, W)
+        x = xp[torch.arange(n, device=x.device)[:, None, None], :, rows, cols]  # (N, H, W, C)
+        x = x.permute(0, 3, 1, 2)
+    if hflip:
+        flip = (_hash(seed, epoch, idx, 3) % 2).bool().view(-1, 1, 1, 1)
+        x = torch.where(flip, x.flip(-1), x)
+    return x.contiguous()
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> Tensor:
+    """The sample order of one epoch, a pure function of (seed, epoch): resume needs no RNG state."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Samples with their index, so augmentation can be keyed by it after the transfer."""
+
+    def __init__(self, split: Split):
+        self.x, self.y = split.x, split.y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+def rank_order(n: int, seed: int, epoch: int, shuffle: bool, rank: int = 0,
+               world: int = 1) -> Tensor:
+    """This process's share of the epoch order: every `world`-th sample from `rank`, after
+    dropping the tail that does not divide evenly (every rank must take the same number of
+    steps, or DDP waits forever). The ranks' k-th batches together are exactly the
+    single-process k-th batch of the global batch size."""
+    order = epoch_order(n, seed, epoch) if shuffle else torch.arange(n)
+    return order[: n - n % world][rank::world]
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """The device path's order for the DataLoader path (sharded like DistributedSampler, with
+    drop_last); set_epoch works with persistent workers."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+        self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(rank_order(self.n, self.seed, self.epoch, self.shuffle, self.rank,
+                               self.world).tolist())
+
+    def __len__(self) -> int:
+        return self.n // self.world

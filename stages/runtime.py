@@ -1,0 +1,119 @@
+"""Where the code runs: device, precision, backend switches, peak memory, and inference.
+
+Training, evaluation, export checks and the bench all use these; none of them needs the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from stages.data import Split, normalize
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """`auto`: CUDA, else MPS, else the CPU. Under torchrun each process takes its own GPU."""
+    if name != "auto" and name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name!r} but CUDA is not available; use auto or cpu")
+    device = torch.device(name) if name != "auto" else \
+        torch.device("cuda") if torch.cuda.is_available() else \
+        torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
+    if device.type == "cuda" and local_rank is not None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def cpu_has_bf16() -> bool:
+    """AMX or AVX512-BF16: the CPUs where bf16 autocast runs native kernels rather than emulated."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if device.type == "cpu" and cpu_has_bf16():
+        return "bf16"
+    return "fp32"
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """Convs and matmuls in bf16/fp16, reductions in fp32; a no-op in fp32."""
+    return torch.autocast(device.type, AMP_DTYPES.get(precision, torch.float32),
+                          enabled=precision in AMP_DTYPES)
+
+
+def set_backends(deterministic: bool) -> None:
+    if deterministic:
+        # cuBLAS needs a fixed workspace to be deterministic; set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # warn_only: a CUDA op without a deterministic kernel warns instead of killing the run.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # ...but not its NaN-filling of every torch.empty, a debugging aid that costs a tenth of
+        # a CPU step (profiled); no kernel we use reads memory it did not write.
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.backends.cudnn.deterministic = True
+    # cudnn.benchmark picks the fastest conv algorithm per shape, but that choice is not repeatable.
+    torch.backends.cudnn.benchmark = not deterministic
+    # TF32 matmuls on Ampere+: several times fp32's throughput for a 10-bit mantissa, harmless
+    # for training.
+    torch.set_float32_matmul_precision("high")
+
+
+def reset_peak_mem(device: torch.device) -> bool:
+    """Start a new peak-memory window for `peak_mem_mb`; False where the platform cannot, and
+    the CPU figure is then the process's lifetime peak."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    # On the CPU the kernel keeps the resident high-water mark itself (VmHWM); writing 5 to
+    # clear_refs restarts it: exact, free, and no sampling thread competing with the compute.
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def proc_status_mb(key: str) -> float | None:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in MiB; None off Linux."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith(key + ":")), None)
+
+
+def peak_mem_mb(device: torch.device) -> float:
+    """Peak memory since `reset_peak_mem`: CUDA's allocated bytes, the CPU's resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = proc_status_mb("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@torch.inference_mode()
+def predict(model: nn.Module, split: Split, mean: Tensor, std: Tensor, *, device: torch.device,
+            precision: str = "fp32", batch_size: int = 512,
+            channels_last: bool = False) -> Tensor:
+    """Logits (float32, on the CPU) for a whole split, in order."""
+    model.eval()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = []
+    for i in range(0, len(split.y), batch_size):
+        x = split.x[i:i + batch_size].to(device, non_blocking=True)
+        x = normalize(x, mean, std).contiguous(memory_format=fmt)
+        with autocast(device, precision):
+            out.append(model(x).float())
+    return torch.cat(out).cpu()

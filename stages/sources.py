@@ -1,0 +1,269 @@
+"""Data sources for the prepare stage: each reads its data into uint8 train/val/test splits.
+
+`SOURCES` is the registry: `data.source` names one of its entries (config.py keeps the names, so
+that checking params needs no data code; a test keeps the two equal). A new source: a function
+`(cfg, seed, scratch) -> Loaded` here, its entry in `SOURCES`, its name in `config.SOURCES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from stages.config import DataConfig
+from stages.data import SPLITS, Split
+from stages.images import IMAGE_EXTS, DataError, decode_many, image_files
+
+
+@dataclass
+class Loaded:
+    splits: dict[str, Split]
+    classes: list[str]
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    leaks: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # sha256: (split, path)
+
+
+def from_digits(cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
+    x, y, classes = load_digits()
+    return Loaded(from_arrays(x, y, cfg, seed), classes)
+
+
+def from_torchvision(source: str, cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
+    parts, classes = load_torchvision(source, Path(cfg.root))
+    return Loaded(from_arrays(parts["train"].x, parts["train"].y, cfg, seed, parts["test"]), classes)
+
+
+def from_folder(cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
+    """Class sub-folders of images under `data.root`, optionally already split into
+    train/val/test; decoded into memory-mapped files in `scratch`."""
+    root = Path(cfg.root)
+    classes, files = list_folder(root)
+    items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
+    workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
+    scratch.mkdir(parents=True, exist_ok=True)
+    splits, rejected, seen = {}, [], defaultdict(list)
+    for name in SPLITS:
+        splits[name], bad, accepted = decode_split(items[name], cfg, workers,
+                                                   scratch / f".{name}.npy")
+        rejected += bad
+        for path, digest in accepted:
+            seen[digest].append((name, path))
+    total = sum(len(v) for v in items.values())
+    if total and len(rejected) / total > cfg.max_rejected_fraction:
+        listing = "; ".join(f"{p}: {r}" for p, r in rejected[:5])
+        raise DataError(f"{len(rejected)} of {total} images in {root} could not be read "
+                        f"({len(rejected) / total:.1%} > data.max_rejected_fraction "
+                        f"{cfg.max_rejected_fraction}); first: {listing}")
+    leaks = {d: v for d, v in seen.items() if len({s for s, _ in v}) > 1}
+    return Loaded(splits, classes, rejected, leaks)
+
+
+SOURCES: dict[str, Callable[[DataConfig, int, Path], Loaded]] = {
+    "digits": from_digits,  # scikit-learn's handwritten digits: offline, shipped with the package
+    "folder": from_folder,
+    "cifar10": partial(from_torchvision, "cifar10"),
+    "mnist": partial(from_torchvision, "mnist"),
+    "fashion_mnist": partial(from_torchvision, "fashion_mnist"),
+}
+
+
+def from_arrays(x: Tensor, y: Tensor, cfg: DataConfig, seed: int,
+                test: Split | None = None) -> dict[str, Split]:
+    """Resize, then split stratified; a dataset's own test split is kept as given."""
+    x = resize(x, cfg.image_size, cfg.channels)
+    parts = stratified_split(y, cfg.val_fraction, 0.0 if test else cfg.test_fraction, seed)
+    splits = {name: Split(x[parts[name]], y[parts[name]]) for name in SPLITS}
+    if test:
+        splits["test"] = Split(resize(test.x, cfg.image_size, cfg.channels), test.y)
+    return splits
+
+
+def load_digits() -> tuple[Tensor, Tensor, list[str]]:
+    """scikit-learn's 1,797 real handwritten 8x8 digits: offline, shipped with the package."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    x = torch.from_numpy(np.round(d.images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
+    return x, torch.from_numpy(d.target.astype(np.int64)), [str(c) for c in d.target_names]
+
+
+TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+
+
+def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[str]]:
+    """train and test splits of a torchvision dataset, downloaded into `root` when online."""
+    import torchvision.datasets as tvd
+
+    cls = getattr(tvd, TORCHVISION[source])
+    try:
+        parts = {name: cls(str(root), train=name == "train", download=True)
+                 for name in ("train", "test")}
+    except Exception as e:  # noqa: BLE001 - urllib, http and integrity errors alike
+        if source == "cifar10":
+            where = (f"put {cls.filename} (from {cls.url}) in {root}/, or its extracted "
+                     f"{cls.base_folder}/ folder")
+        else:
+            files = ", ".join(name for name, _ in cls.resources)
+            where = (f"put {files} (from {cls.mirrors[0]}), or the same files extracted, "
+                     f"in {root}/{cls.__name__}/raw/")
+        raise DataError(f"data.source={source}: could not load or download it into {root} "
+                        f"({type(e).__name__}: {e}). Offline? {where}") from None
+    out = {}
+    for name, ds in parts.items():
+        x = torch.as_tensor(np.asarray(ds.data))
+        x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+        out[name] = Split(x.contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64))
+    return out, [str(c) for c in parts["train"].classes]
+
+
+def list_folder(root: Path) -> tuple[list[str], dict[str | None, list[tuple[Path, int]]]]:
+    """Class names (sorted sub-folder names) and (file, label) per given split: `None` when
+    `root` holds class folders directly, "train"/"val"/"test" when it has those sub-folders."""
+    if not root.is_dir():
+        raise DataError(f"data.root={str(root)!r} is not a folder; put one sub-folder of images "
+                        "per class there (data/raw/<name>/<class>/*.png)")
+    given = {s: root / s for s in SPLITS if (root / s).is_dir()}
+    if given and "train" not in given:
+        raise DataError(f"{root}: has {', '.join(given)}/ but no train/ folder")
+    top = given.get("train", root)
+    classes = sorted(d.name for d in top.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise DataError(f"{top}: no class folders; expected {top}/<class>/<image> "
+                        f"({', '.join(sorted(IMAGE_EXTS))})")
+    if len(classes) == 1:
+        raise DataError(f"{top}: only one class folder ({classes[0]!r}); a classifier needs two or more")
+    files: dict[str | None, list[tuple[Path, int]]] = {}
+    for split, folder in (given or {None: root}).items():
+        unknown = {d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        unknown -= set(classes)
+        if unknown:
+            raise DataError(f"{folder}: class folders {sorted(unknown)} are not in {top}")
+        files[split] = []
+        for label, c in enumerate(classes):
+            found = image_files(folder / c) if (folder / c).is_dir() else []
+            if not found and split in (None, "train"):
+                raise DataError(f"{folder / c}: class folder has no images "
+                                f"({', '.join(sorted(IMAGE_EXTS))}); add images or remove it")
+            files[split] += [(p, label) for p in found]
+    return classes, files
+
+
+def assign_splits(classes: list[str], files: dict[str | None, list[tuple[Path, int]]],
+                  val_fraction: float, test_fraction: float,
+                  seed: int) -> dict[str, list[tuple[Path, int]]]:
+    """Given splits are kept; a missing val or test split is carved, stratified, out of train."""
+    pool = files.get(None) or files["train"]
+    need_val, need_test = "val" not in files, "test" not in files
+    labels = torch.tensor([label for _, label in pool])
+    try:
+        parts = stratified_split(labels, val_fraction if need_val else 0.0,
+                                 test_fraction if need_test else 0.0, seed)
+    except ValueError as e:
+        counts = {c: int((labels == i).sum()) for i, c in enumerate(classes)}
+        raise DataError(f"cannot split {counts} images per class into train/val/test ({e}); "
+                        "add images to the small classes or give train/val/test folders") from None
+    out = {name: [pool[i] for i in parts[name].tolist()] for name in SPLITS}
+    for name in ("val", "test"):
+        if name in files:
+            out[name] = files[name]
+    return out
+
+
+def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
+                 scratch: Path) -> tuple[Split, list[tuple[str, str]], list[tuple[str, str]]]:
+    """Decode into a memory-mapped uint8 file, so memory stays bounded for any dataset size.
+    Returns the split, the rejected (path, reason) and the accepted (path, sha256)."""
+    from tqdm import tqdm
+
+    shape = (len(items), cfg.channels, cfg.image_size, cfg.image_size)
+    x = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape)
+    labels, rejected, digests = [], [], []
+    decoded = decode_many([p for p, _ in items], cfg.channels, cfg.image_size, cfg.resize, workers)
+    for (path, label), (img, reason, digest) in tqdm(zip(items, decoded, strict=True),
+                                                     total=len(items), desc=f"decode {scratch.stem}",
+                                                     mininterval=2, disable=len(items) < 1000):
+        if img is None:
+            rejected.append((str(path), reason))
+            continue
+        x[len(labels)] = img
+        labels.append(label)
+        digests.append((str(path), digest))
+    x.flush()
+    return Split(torch.from_numpy(x[:len(labels)]), torch.tensor(labels, dtype=torch.int64)), \
+        rejected, digests
+
+
+def resize(x: Tensor, size: int, channels: int) -> Tensor:
+    """uint8 (N, C, H, W) to (N, channels, size, size), antialiased."""
+    if x.shape[1] != channels:
+        x = x.expand(-1, channels, -1, -1) if x.shape[1] == 1 else \
+            x.float().mul(torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, True)
+    if tuple(x.shape[-2:]) != (size, size):
+        x = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True,
+                          align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8).contiguous()
+
+
+def stratified_split(y: Tensor, val_fraction: float, test_fraction: float,
+                     seed: int) -> dict[str, Tensor]:
+    """Indices per split: the same seed gives the same split, each class in proportion."""
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(y))
+    labels = y.numpy()
+    rest, test = train_test_split(idx, test_size=test_fraction, stratify=labels,
+                                  random_state=seed) if test_fraction else (idx, idx[:0])
+    train, val = train_test_split(rest, test_size=val_fraction / (1 - test_fraction),
+                                  stratify=labels[rest], random_state=seed) \
+        if val_fraction else (rest, idx[:0])
+    return {name: torch.from_numpy(np.sort(part)) for name, part in
+            zip(SPLITS, (train, val, test), strict=True)}
+
+
+def content_hash(splits: dict[str, Split]) -> str:
+    h = hashlib.sha256()
+    for name in SPLITS:
+        x = splits[name].x.numpy()
+        for i in range(0, len(x), 4096):  # chunks: no second copy of a large split
+            h.update(memoryview(np.ascontiguousarray(x[i:i + 4096])).cast("B"))
+        h.update(splits[name].y.numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_meta(splits: dict[str, Split], classes: list[str], cfg: DataConfig) -> dict:
+    # Normalization statistics from the train split only: val/test must not leak into them.
+    # In chunks, in float64: the split may be a memory-mapped file larger than RAM.
+    x = splits["train"].x
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for i in range(0, len(x), 4096):
+        chunk = x[i:i + 4096].to(torch.float64).div_(255)
+        total += chunk.sum(dim=(0, 2, 3))
+        squares += chunk.square().sum(dim=(0, 2, 3))
+    n = len(x) * x.shape[2] * x.shape[3]
+    mean = total / n
+    std = ((squares - n * mean.square()) / max(1, n - 1)).clamp_min(0).sqrt()
+    counts = {name: {c: int((s.y == i).sum()) for i, c in enumerate(classes)}
+              for name, s in splits.items()}
+    return {
+        "source": cfg.source,
+        "classes": classes,
+        "channels": cfg.channels,
+        "image_size": cfg.image_size,
+        "resize": cfg.resize,
+        "mean": mean.tolist(),
+        "std": std.clamp_min(1e-3).tolist(),
+        "counts": counts,
+        "sizes": {name: len(s.y) for name, s in splits.items()},
+        "sha256": content_hash(splits),
+    }

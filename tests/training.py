@@ -1,0 +1,52 @@
+"""Small real training runs the loop and fault tests share: the real loop on the real digits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stages.config import ModelConfig, TrainConfig
+from stages.data import Split
+from stages.loop import train
+from stages.models import build_model
+
+CPU_FP32 = dict(device="cpu", precision="fp32", loader="device", log_every=1000,
+                warmup_epochs=0.5, augment_crop_pad=0)
+
+
+def linear_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(256, 10))
+
+
+def cnn(seed: int = 0, width: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(width=width, dropout=0.1), 1, 10)
+
+
+def fit(model, digits, n: int | None = None, epochs: int = 1, batch_size: int = 32,
+        lr: float = 3e-3, seed: int = 0, **cfg):
+    splits, meta = digits
+    tr = splits["train"]
+    if n is not None:
+        tr = Split(tr.x[:n], tr.y[:n])
+    return train(model, tr, splits["val"], meta["mean"], meta["std"],
+                 TrainConfig(**{**CPU_FP32, **cfg}), lr=lr, epochs=epochs,
+                 batch_size=batch_size, seed=seed, progress=False)
+
+
+def fit_ckpt(model, digits, ckpt_dir, epochs: int, resume: dict | None = None, **cfg):
+    splits, meta = digits
+    return train(model, splits["train"], splits["val"], meta["mean"], meta["std"],
+                 TrainConfig(**{**CPU_FP32, **cfg}), lr=3e-3, epochs=epochs, batch_size=64,
+                 seed=0, progress=False, ckpt_dir=ckpt_dir, resume=resume)
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in
+               zip(a.state_dict().values(), b.state_dict().values(), strict=True))
