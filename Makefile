@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share test ui exps lint bench ci-report plots-template
+.PHONY: help setup lock repro verify share test ui exps lint bench gpu-check ci-report plots-template
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -78,6 +78,17 @@ lint: setup ## ruff
 
 bench: setup ## the loop ablation benchmark, side by side
 	$(PY) -m stages.bench
+
+# The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
+# in one run for a lent GPU machine. Its python may come with the requirements already:
+# `make gpu-check PY=python3` then skips creating .venv (that needs PyPI).
+GPU_CHECK_OUT ?= gpu-check
+gpu-check: $(if $(filter command line,$(origin PY)),,setup) ## on a GPU machine: the CUDA tests and the bench, into gpu-check/
+	@$(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "gpu-check: no CUDA device on this machine")'
+	@mkdir -p $(GPU_CHECK_OUT)
+	$(PY) -m pytest -p no:cacheprovider -v -rs tests/test_gpu.py 2>&1 | tee $(GPU_CHECK_OUT)/tests.txt
+	$(PY) -m stages.bench --datasets cifar,digits --rows standard,amp,pinned_workers,optimized,optimized_batch4x \
+		--rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
 
 plots-template: setup ## rebuild .dvc/plots/offline.html (Vega inlined, so plots render offline)
 	$(PY) -m pip install -q 'vl-convert-python==1.9.*'

@@ -152,6 +152,12 @@ class TrainConfig:
         _require(self.compile in (True, False, "default", "reduce-overhead", "max-autotune",
                                   "max-autotune-no-cudagraphs"), "train.compile", self.compile,
                  "use false, true or a torch.compile mode such as max-autotune")
+        # torch.use_deterministic_algorithms turns on Inductor's deterministic mode, which picks
+        # the eager kernels instead of autotuning: the mode would silently do nothing.
+        _require(not (self.deterministic and str(self.compile).startswith("max-autotune")),
+                 "train.compile", self.compile, "autotuning is off under train.deterministic: "
+                 "true (Inductor then picks eager kernels); set train.deterministic: false to "
+                 "autotune, or train.compile: true")
         _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
         _choice("train.schedule", self.schedule, ("cosine", "step", "plateau", "constant"))
         _choice("train.resume", self.resume, ("auto", "never"))

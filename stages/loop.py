@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ from stages.batches import (
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig, UserError
 from stages.data import Split, normalize
-from stages.optim import Schedule, build_optimizer
+from stages.optim import EMA, Schedule, build_optimizer
 from stages.runtime import (
     autocast,
     peak_mem_mb,
@@ -47,6 +49,7 @@ from stages.runtime import (
 )
 
 Log = Callable[[dict[str, float], int], None]
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that use CUDA graphs
 
 
 def no_log(metrics: dict[str, float], step: int) -> None:
@@ -97,7 +100,7 @@ class Parts:
     model: nn.Module  # the plain module: its weights are what is saved
     net: nn.Module  # what runs the forward pass: `model`, wrapped by DDP and/or compiled
     ddp: nn.parallel.DistributedDataParallel | None
-    ema: torch.optim.swa_utils.AveragedModel | None
+    ema: EMA | None
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     criterion: nn.Module
@@ -165,6 +168,9 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     stopped_early = False
 
     for epoch in range(state.epoch, epochs):
+        # Dropout draws from a generator seeded per (seed, epoch, rank): each process has its
+        # own stream, and a resumed epoch replays without restoring any RNG state.
+        torch.manual_seed(epoch_seed(seed, epoch, rank))
         t0 = time.perf_counter()
         reset_peak_mem(setup.device)
         bar = tqdm(total=plan.steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
@@ -177,7 +183,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
         val_loss, val_acc = validate(parts, val_split, setup, max(batch_size, 256))
         row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
                "val_loss": val_loss, "val_acc": val_acc, "lr": sums["lr"],
-               "grad_norm": sums["grad_norm"].item() / plan.steps_per_epoch,
+               "grad_norm": sums["grad_norm"].item() / max(1, int(sums["finite_norms"])),
                "samples_per_s": sums["seen"] / train_s, "epoch_s": time.perf_counter() - t0,
                "peak_mem_mb": peak_mem_mb(setup.device)}
         state.history.append(row)
@@ -231,6 +237,11 @@ def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
                  0 if overfit else cfg.augment_crop_pad, cfg.augment_hflip and not overfit, world)
 
 
+def epoch_seed(seed: int, epoch: int, rank: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{epoch}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a signed 64-bit value
+
+
 def overfit_subset(split: Split, cfg: TrainConfig, batch_size: int, seed: int) -> Split:
     """Overfit mode: a few fixed batches, in order and without augmentation (see `set_up`), to
     prove that the model can learn at all."""
@@ -259,9 +270,7 @@ def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
     net = ddp or model
     if cfg.compile:
         net = torch.compile(net, mode=None if cfg.compile is True else cfg.compile)
-    ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema_decay),
-        use_buffers=True) if cfg.ema else None
+    ema = EMA(model, cfg.ema_decay) if cfg.ema else None
     # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
     scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
     return Parts(model, net, ddp, ema, build_optimizer(model, cfg, lr, device), scaler,
@@ -274,14 +283,19 @@ def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
 def train_epoch(setup: Setup, parts: Parts, plan: BatchPlan, batches, schedule: Schedule,
                 state: LoopState, guard: NonFiniteGuard, epoch: int, log: Log, bar: tqdm) -> dict:
     # Sums stay on the device: .item() is a host-device sync, so it happens only when logging.
-    sums = {"loss": torch.zeros((), device=setup.device), "grad_norm": torch.zeros((), device=setup.device),
-            "correct": torch.zeros((), device=setup.device, dtype=torch.long), "seen": 0, "lr": 0.0}
+    zero = functools.partial(torch.zeros, (), device=setup.device)
+    sums = {"loss": zero(), "grad_norm": zero(), "finite_norms": zero(dtype=torch.long),
+            "correct": zero(dtype=torch.long), "seen": 0, "lr": 0.0}
     t0 = time.perf_counter()
     parts.model.train()  # validation left it in eval mode
     for window in windows(batches, plan):
         window_loss, n = forward_backward(setup, parts, window, epoch, sums)
         lr = schedule.lr_at(state.step)
-        sums["grad_norm"] += optimizer_step(parts, setup.cfg, lr)
+        grad_norm = optimizer_step(parts, setup.cfg, lr)
+        # fp16 loss scaling skips a step whose gradients overflowed: its inf norm is not counted.
+        finite = torch.isfinite(grad_norm)
+        sums["grad_norm"] += torch.where(finite, grad_norm, 0.0)
+        sums["finite_norms"] += finite
         guard.check(window_loss, state.step, epoch, lr, state.last_ckpt)
         state.step += 1
         sums["lr"] = lr
@@ -330,10 +344,12 @@ def optimizer_step(parts: Parts, cfg: TrainConfig, lr: float) -> Tensor:
         group["lr"] = lr
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
-    # set_to_none frees the gradient memory and skips a zero-fill kernel.
-    parts.optimizer.zero_grad(set_to_none=True)
+    # set_to_none frees the gradient memory and skips a zero-fill kernel, except under CUDA
+    # graphs (compile: reduce-overhead, max-autotune), which must not allocate `.grad` inside
+    # their capture when gradients accumulate.
+    parts.optimizer.zero_grad(set_to_none=cfg.compile not in CUDA_GRAPH_MODES)
     if parts.ema is not None:
-        parts.ema.update_parameters(parts.model)
+        parts.ema.update(parts.model)
     return grad_norm
 
 
@@ -402,8 +418,15 @@ def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> tuple
     logits = predict(net, split, setup.mean, setup.std, device=setup.device,
                      precision=setup.precision, batch_size=batch_size,
                      channels_last=setup.cfg.channels_last)
-    return (F.cross_entropy(logits, split.y).item(),
-            (logits.argmax(1) == split.y).float().mean().item())
+    loss, acc = F.cross_entropy(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
+    if setup.world > 1:
+        # Rank 0's figures for every process: they decide the best epoch, plateau cuts and early
+        # stopping, and one ULP of difference (cudnn.benchmark tunes per process) would split
+        # the decisions, drift the lr apart or leave the others waiting for a stopped rank.
+        figures = torch.tensor([loss, acc], dtype=torch.float64, device=setup.device)
+        torch.distributed.broadcast(figures, 0)
+        loss, acc = figures.tolist()
+    return loss, acc
 
 
 def keep_best(state: LoopState, parts: Parts, val_acc: float, val_loss: float, epoch: int) -> None:
@@ -421,13 +444,11 @@ def keep_best(state: LoopState, parts: Parts, val_acc: float, val_loss: float, e
 
 def checkpoint_state(parts: Parts, schedule: Schedule, state: LoopState, setup: Setup,
                      extra: dict | None) -> dict:
-    cuda = setup.device.type == "cuda"
     return {
         "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
         "scaler": parts.scaler.state_dict(),
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if cuda else []},
+        "device": setup.device.type, "precision": setup.precision,
         "schedule": schedule.state_dict(),
         "epoch": state.epoch, "step": state.step, "bad_epochs": state.bad_epochs,
         "history": state.history, "best_score": list(state.best_score),
@@ -440,13 +461,12 @@ def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: in
     try:
         parts.model.load_state_dict(ckpt["model"])
         parts.optimizer.load_state_dict(ckpt["optimizer"])
-        parts.scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"] and parts.scaler.is_enabled():  # {} when it was saved disabled
+            parts.scaler.load_state_dict(ckpt["scaler"])
         if parts.ema is not None:
             parts.ema.load_state_dict(ckpt["ema"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if setup.device.type == "cuda" and ckpt["rng"].get("cuda"):
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         schedule.load_state_dict(ckpt["schedule"])
+        was = (ckpt["device"], ckpt["precision"])
         state = LoopState(ckpt["epoch"], ckpt["step"], ckpt["bad_epochs"], list(ckpt["history"]),
                           tuple(ckpt["best_score"]), ckpt["best_epoch"], ckpt["best_state"],
                           Path(ckpt["path"]) if "path" in ckpt else None)
@@ -457,4 +477,10 @@ def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: in
     if rank == 0:
         print(f"resuming from {ckpt.get('path', 'checkpoint')} at epoch {state.epoch + 1}",
               file=sys.stderr)
+        now = (setup.device.type, setup.precision)
+        if was != now:  # `auto` resolved otherwise on this machine
+            warnings.warn(f"the checkpoint was trained in {was[1]} on {was[0]}, this run is "
+                          f"{now[1]} on {now[0]}: it goes on, but will not end bitwise where an "
+                          "uninterrupted run would. Set train.device and train.precision to "
+                          "the checkpoint's to match it", stacklevel=2)
     return state

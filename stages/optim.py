@@ -1,8 +1,10 @@
-"""The optimizer and the learning-rate schedule. A new schedule: a branch in `Schedule.lr_at`
-(or `end_epoch`, if it reacts to validation) and its name in `TrainConfig`'s choices."""
+"""The optimizer, the weight average (EMA) and the learning-rate schedule. A new schedule: a
+branch in `Schedule.lr_at` (or `end_epoch`, if it reacts to validation) and its name in
+`TrainConfig`'s choices."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -22,10 +24,52 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float,
     # Fused kernels update every parameter in one pass instead of a loop of small ops (several
     # times faster per step, see README "How fast").
     fused = True if device.type in ("cuda", "cpu") else None
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
-                               nesterov=cfg.nesterov and cfg.momentum > 0, fused=fused)
-    return torch.optim.AdamW(groups, lr=lr, fused=fused)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, fused=fused)
+    sgd = torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                          nesterov=cfg.nesterov and cfg.momentum > 0, fused=fused)
+    if cfg.momentum > 0:
+        # Zeroed momentum buffers from the start: fused SGD creates them with empty_like on its
+        # first step and leaves them so when fp16 loss scaling skips that step (an overflow,
+        # common at the initial scale), and momentum then starts from garbage. With
+        # dampening 0, 0.9 * 0 + g is exactly the g the first step would have stored.
+        for p in decay + no_decay:
+            sgd.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return sgd
+
+
+class EMA:
+    """An exponential moving average of the weights and float buffers (BatchNorm statistics):
+    the first update copies the model, each later one moves `1 - decay` of the way to it.
+
+    Its bookkeeping stays on the host: torch's AveragedModel keeps an update counter that it
+    copies to the device and reads back on every update, which drains the GPU queue per step.
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.module = copy.deepcopy(model).requires_grad_(False)
+        self.decay = decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values(),
+                         strict=True))
+        floats = [(a, m) for a, m in pairs if a.is_floating_point()]
+        # Counters (num_batches_tracked) are copied, never averaged.
+        copied = pairs if self.updates == 0 else [(a, m) for a, m in pairs if not a.is_floating_point()]
+        if floats and self.updates > 0:
+            torch._foreach_lerp_([a for a, _ in floats], [m for _, m in floats], 1 - self.decay)
+        if copied:
+            torch._foreach_copy_([a for a, _ in copied], [m for _, m in copied])
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = state["updates"]
 
 
 @dataclass

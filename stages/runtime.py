@@ -42,7 +42,9 @@ def resolve_precision(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # Native bf16 only (Ampere and later): T4 and V100 emulate it slowly, and get fp16 with
+        # loss scaling instead.
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     if device.type == "cpu" and cpu_has_bf16():
         return "bf16"
     return "fp32"
@@ -75,6 +77,7 @@ def reset_peak_mem(device: torch.device) -> bool:
     """Start a new peak-memory window for `peak_mem_mb`; False where the platform cannot, and
     the CPU figure is then the process's lifetime peak."""
     if device.type == "cuda":
+        torch.cuda.init()  # resetting the statistics of a device CUDA has not set up yet fails
         torch.cuda.reset_peak_memory_stats(device)
         return True
     # On the CPU the kernel keeps the resident high-water mark itself (VmHWM); writing 5 to
@@ -115,5 +118,7 @@ def predict(model: nn.Module, split: Split, mean: Tensor, std: Tensor, *, device
         x = split.x[i:i + batch_size].to(device, non_blocking=True)
         x = normalize(x, mean, std).contiguous(memory_format=fmt)
         with autocast(device, precision):
-            out.append(model(x).float())
+            # A copy, not the output itself: a CUDA-graph replay (compile: reduce-overhead)
+            # reuses its output memory for the next batch.
+            out.append(model(x).to(torch.float32, copy=True))
     return torch.cat(out).cpu()

@@ -166,15 +166,6 @@ def test_compiled_training_saves_the_uncompiled_weights(digits):
     assert max_diff(result.model, linear_model()) > 1e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_auto_precision_and_pinned_loader(digits):
-    for loader in ("device", "dataloader"):
-        result = fit(cnn(), digits, epochs=2, device="cuda", precision="auto", loader=loader)
-        assert result.device.startswith("cuda")
-        assert result.history[-1]["val_acc"] > 0.5
-        assert result.history[-1]["peak_mem_mb"] > 0
-
-
 def test_cpu_peak_memory_restarts_so_an_earlier_peak_does_not_show_through():
     cpu = torch.device("cpu")
 

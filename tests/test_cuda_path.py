@@ -1,0 +1,228 @@
+"""The CUDA path's findings (issue 15), each shown on the CPU where its mechanism exists here:
+GradScaler and fused optimizers run on the CPU, DDP runs between gloo processes. What only a GPU
+can show is in tests/test_gpu.py (`make gpu-check`)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from stages.checkpoints import latest_checkpoint
+from stages.config import TrainConfig
+from stages.data import Split
+from stages.loop import train
+from stages.optim import EMA, build_optimizer
+from stages.runtime import predict
+from tests.training import CPU_FP32, cnn, fit, fit_ckpt, linear_model, same_weights
+
+
+@contextlib.contextmanager
+def uninitialized_memory_is_nan():
+    """torch.empty and friends fill NaN: memory nobody initialized shows, deterministically."""
+    before = torch.are_deterministic_algorithms_enabled(), \
+        torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
+
+
+def sgd_step(model, opt, scaler, x, y, blow_up: float = 1.0) -> None:
+    loss = nn.functional.cross_entropy(model(x), y) * blow_up
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_1_fused_sgd_momentum_starts_at_zero_when_loss_scaling_skips_the_first_step():
+    cfg = TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0)
+    x, y = torch.randn(8, 1, 16, 16), torch.arange(8) % 10
+    model, reference = linear_model(), linear_model()
+    opt = build_optimizer(model, cfg, 0.1, torch.device("cpu"))
+    ref_opt = build_optimizer(reference, cfg, 0.1, torch.device("cpu"))
+    assert opt.defaults["fused"]  # the optimizer the loop uses on CPU and CUDA
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with uninitialized_memory_is_nan():
+        # A forced overflow on the first step: scaled gradients beyond fp32's range.
+        sgd_step(model, opt, scaler, x, y, blow_up=1e36)
+        assert scaler.get_scale() == 2.0**15  # the step was skipped and the scale backed off
+        buffers = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+        assert all(torch.equal(b, torch.zeros_like(b)) for b in buffers)
+        # The next good step is the first step a run without the overflow takes.
+        sgd_step(model, opt, scaler, x, y)
+        sgd_step(reference, ref_opt, torch.amp.GradScaler("cpu", init_scale=2.0**15), x, y)
+    assert same_weights(model, reference)
+
+
+class InfGradOnce(nn.Module):
+    """A real model whose first backward pass produces non-finite gradients (an fp16 overflow)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.fired = inner, False
+
+    def forward(self, x):
+        out = self.inner(x)
+        if self.training and not self.fired:
+            self.fired = True
+            out.register_hook(lambda g: g * math.inf)
+        return out
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_11_a_skipped_fp16_step_trains_on_and_its_inf_norm_is_not_averaged(digits, optimizer):
+    result = fit(InfGradOnce(linear_model()), digits, epochs=2, precision="fp16",
+                 optimizer=optimizer)
+    norms = [r["grad_norm"] for r in result.history]
+    assert all(math.isfinite(n) and n > 0 for n in norms), norms
+    assert result.history[-1]["val_acc"] > 0.5  # momentum did not start from garbage
+
+
+def test_5_validation_keeps_each_batch_when_the_model_reuses_its_output_memory(digits):
+    """A CUDA-graph replay writes every call's output into the same memory, as this does."""
+
+    class ReusesOutput(nn.Module):
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner, self.out = inner, None
+
+        def forward(self, x):
+            y = self.inner(x)
+            if self.out is None or self.out.shape != y.shape:
+                self.out = torch.empty_like(y)
+            return self.out.copy_(y)
+
+    splits, meta = digits
+    mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
+    model = linear_model()
+    args = dict(device=torch.device("cpu"), batch_size=32)
+    assert torch.equal(predict(ReusesOutput(model), splits["val"], mean, std, **args),
+                       predict(model, splits["val"], mean, std, **args))
+
+
+def test_6_ema_matches_torch_averaged_model_without_a_device_counter(digits):
+    model = cnn()
+    ours = EMA(model, 0.9)
+    theirs = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True)
+    splits, meta = digits
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(4):  # real steps: weights and BatchNorm statistics move
+        x = splits["train"].x[i * 16:(i + 1) * 16].float() / 255
+        nn.functional.cross_entropy(model(x), splits["train"].y[i * 16:(i + 1) * 16]).backward()
+        opt.step()
+        opt.zero_grad()
+        ours.update(model)
+        theirs.update_parameters(model)
+    for name, value in ours.module.state_dict().items():
+        if value.is_floating_point():
+            assert torch.equal(value, theirs.module.state_dict()[name]), name
+        else:  # counters are the model's; AveragedModel blends integers into nonsense
+            assert torch.equal(value, model.state_dict()[name]), name
+    assert not any(t.numel() == 1 and t.dtype == torch.long for t in vars(ours).values()
+                   if isinstance(t, torch.Tensor))  # no counter tensor
+    restored = EMA(cnn(seed=3), 0.9)
+    restored.load_state_dict(ours.state_dict())
+    assert same_weights(restored.module, ours.module) and restored.updates == 4
+
+
+@pytest.mark.parametrize("before, after", [("fp16", "fp32"), ("fp32", "fp16")])
+def test_9_resume_across_a_change_of_resolved_precision_warns_and_goes_on(digits, tmp_path,
+                                                                         before, after):
+    fit_ckpt(cnn(), digits, tmp_path, epochs=1, precision=before)
+    state = latest_checkpoint(tmp_path)
+    assert (state["device"], state["precision"]) == ("cpu", before)
+    with pytest.warns(UserWarning, match=f"trained in {before} on cpu, this run is {after}"):
+        result = fit_ckpt(cnn(), digits, tmp_path, epochs=2, resume=state, precision=after)
+    assert result.epochs_run == 2 and math.isfinite(result.history[-1]["val_loss"])
+
+
+def test_10_deterministic_refuses_a_compile_mode_it_would_silently_turn_off():
+    from stages.config import ParamsError
+
+    with pytest.raises(ParamsError, match="train.compile='max-autotune'.*deterministic: false"):
+        TrainConfig(compile="max-autotune", deterministic=True)
+    TrainConfig(compile="max-autotune", deterministic=False)
+    TrainConfig(compile=True, deterministic=True)
+
+
+# ------------------------------------------------------------ 2 and 4: two gloo processes
+
+
+def _ddp_worker(rank: int, world: int, init: str, data: dict, ckpt_dir: str, resume_epoch: int,
+                out: str) -> None:
+    torch.set_num_threads(1)
+    # A short timeout: ranks whose decisions split would otherwise wait 30 minutes.
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = cnn() if data["model"] == "cnn" else linear_model()
+        resume = None
+        if resume_epoch:
+            resume = torch.load(Path(ckpt_dir) / f"epoch-{resume_epoch:04d}.pt", weights_only=True)
+        val = data["val"][rank]  # each process its own validation split, when they differ
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = train(model, data["train"], val, data["mean"], data["std"],
+                           TrainConfig(**{**CPU_FP32, **data["cfg"]}), lr=3e-3,
+                           epochs=data["epochs"], batch_size=32, seed=0, progress=False,
+                           verbose=False, rank=rank, world=world,
+                           ckpt_dir=Path(ckpt_dir), resume=resume)
+        torch.save({"weights": result.model.state_dict(), "history": result.history,
+                    "draw": torch.rand(4), "best_epoch": result.best_epoch},
+                   f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def ddp(tmp_path, name: str, data: dict, resume_epoch: int = 0) -> list[dict]:
+    out = tmp_path / name
+    torch.multiprocessing.spawn(
+        _ddp_worker, args=(2, f"file://{tmp_path / (name + '.pg')}", data,
+                           str(tmp_path / "ckpt"), resume_epoch, str(out)), nprocs=2)
+    return [torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1)]
+
+
+def test_2_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_would(digits,
+                                                                                    tmp_path):
+    splits, meta = digits
+    data = {"train": Split(splits["train"].x[:256], splits["train"].y[:256]),
+            "val": [splits["val"]] * 2, "mean": meta["mean"], "std": meta["std"],
+            "model": "cnn", "cfg": {"augment_crop_pad": 1}, "epochs": 3}
+    full = ddp(tmp_path, "full", data)
+    assert not torch.equal(full[0]["draw"], full[1]["draw"])  # each rank its own stream
+    # As if killed during epoch 3: every rank resumes from the epoch-2 checkpoint rank 0 wrote.
+    resumed = ddp(tmp_path, "resumed", data, resume_epoch=2)
+    for rank in (0, 1):
+        assert all(torch.equal(resumed[rank]["weights"][k], full[rank]["weights"][k])
+                   for k in full[rank]["weights"])
+        assert torch.equal(resumed[rank]["draw"], full[rank]["draw"])
+
+
+def test_4_every_rank_takes_rank_0s_validation_figures_and_decisions(digits, tmp_path):
+    """Validation that differs between processes (here: other images on rank 1; on GPUs, one
+    ULP from per-process cudnn tuning) must not split the best-epoch, plateau and early
+    stopping decisions."""
+    splits, meta = digits
+    val = splits["val"]
+    other = Split(val.x.flip(-1), val.y)  # mirrored digits: other figures
+    data = {"train": Split(splits["train"].x[:256], splits["train"].y[:256]),
+            "val": [val, other], "mean": meta["mean"], "std": meta["std"], "model": "linear",
+            "cfg": {"schedule": "plateau", "plateau_patience": 1, "early_stopping_patience": 2},
+            "epochs": 6}
+    ranks = ddp(tmp_path, "decisions", data)
+    figures = [[(r["val_loss"], r["val_acc"], r["lr"]) for r in rank["history"]] for rank in ranks]
+    assert figures[0] == figures[1]
+    assert ranks[0]["best_epoch"] == ranks[1]["best_epoch"]

@@ -1,0 +1,110 @@
+"""What only a GPU can show about the CUDA path (issue 15: findings 1, 2, 3, 5, 6, 7, 8, 11):
+`make gpu-check` runs these on the first machine with a GPU. Every test skips without CUDA."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stages.checkpoints import latest_checkpoint
+from stages.config import TrainConfig
+from stages.optim import EMA, build_optimizer
+from stages.runtime import resolve_precision
+from tests.conftest import ROOT
+from tests.test_cuda_path import sgd_step
+from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = dict(device="cuda", loader="device")
+
+
+def test_7_auto_precision_is_bf16_only_where_the_gpu_has_it_natively():
+    cap = torch.cuda.get_device_capability()
+    expected = "bf16" if cap[0] >= 8 else "fp16"  # T4 (7.5) and V100 (7.0) only emulate bf16
+    assert resolve_precision("auto", torch.device("cuda")) == expected, (cap, expected)
+
+
+def test_1_fused_sgd_on_cuda_with_fp16_scaling_survives_an_overflowed_first_step():
+    cuda = torch.device("cuda")
+    cfg = TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0)
+    model = linear_model().to(cuda)
+    opt = build_optimizer(model, cfg, 0.1, cuda)
+    assert opt.defaults["fused"]
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    x, y = torch.randn(8, 1, 16, 16, device=cuda), torch.arange(8, device=cuda) % 10
+    with torch.autocast("cuda", torch.float16):
+        sgd_step(model, opt, scaler, x, y, blow_up=1e36)
+    assert scaler.get_scale() == 2.0**15
+    assert all(torch.count_nonzero(opt.state[p]["momentum_buffer"]) == 0
+               for p in model.parameters())
+
+
+def test_6_ema_update_never_waits_for_the_gpu():
+    model = cnn().cuda()
+    ema = EMA(model, 0.99)
+    torch.cuda.set_sync_debug_mode("error")  # any host-device synchronization raises
+    try:
+        for _ in range(3):
+            ema.update(model)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert same_weights(ema.module, model)
+
+
+def test_8_peak_memory_resets_before_anything_initialized_cuda():
+    code = ("import torch; from stages.runtime import reset_peak_mem, peak_mem_mb; "
+            "d = torch.device('cuda:0'); assert reset_peak_mem(d); print(peak_mem_mb(d))")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("loader", ["device", "dataloader"])
+def test_cuda_training_with_auto_precision_on_both_loaders(digits, loader):
+    result = fit(cnn(), digits, epochs=2, precision="auto", device="cuda", loader=loader)
+    assert result.device.startswith("cuda")
+    assert result.history[-1]["val_acc"] > 0.5
+    assert result.history[-1]["peak_mem_mb"] > 0
+
+
+def test_11_fp16_training_logs_finite_gradient_norms(digits):
+    result = fit(cnn(), digits, epochs=2, precision="fp16", **CUDA)
+    assert all(math.isfinite(r["grad_norm"]) for r in result.history)
+
+
+def test_5_cuda_graphs_train_with_accumulation_and_validate(digits):
+    result = fit(cnn(), digits, epochs=2, compile="reduce-overhead", accumulate=2,
+                 deterministic=False, precision="auto", **CUDA)
+    eager = fit(cnn(), digits, epochs=2, accumulate=2, deterministic=False, precision="auto",
+                **CUDA)
+    assert result.history[-1]["val_acc"] > 0.5
+    # Validation through graph replays gives the figures eager validation gives (to bf16 noise).
+    assert abs(result.history[-1]["val_acc"] - eager.history[-1]["val_acc"]) < 0.05
+
+
+def test_2_a_resumed_cuda_run_ends_bitwise_where_an_uninterrupted_one_does(digits, tmp_path):
+    full = fit_ckpt(cnn(), digits, tmp_path / "full", epochs=3, **CUDA)
+    part = tmp_path / "part"
+    fit_ckpt(cnn(), digits, part, epochs=3, **CUDA)
+    (part / "epoch-0003.pt").unlink()
+    resumed = fit_ckpt(cnn(seed=9), digits, part, epochs=3, resume=latest_checkpoint(part), **CUDA)
+    assert same_weights(full.model, resumed.model)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_3_two_nccl_processes_train_the_stage(tmp_path, digits, mlflow_uri):
+    import json
+    import shutil
+
+    from stages.data import save_prepared
+    from tests.conftest import env_with, run, set_params
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    set_params(tmp_path / "params.yaml", {"epochs": "3", "train.nproc_per_node": "2"})
+    save_prepared(tmp_path / "data/prepared", *digits)
+    run([sys.executable, "-m", "stages.train"], tmp_path,
+        env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri))
+    assert json.loads((tmp_path / "models/train/metrics.json").read_text())["best_val_acc"] > 0.9
