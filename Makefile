@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share test ui exps lint bench gpu-check ci-report plots-template
+.PHONY: help setup lock repro verify share test ui exps lint bench bench-pipeline gpu-check ci-report plots-template
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -78,6 +78,10 @@ lint: setup ## ruff
 
 bench: setup ## the loop ablation benchmark, side by side
 	$(PY) -m stages.bench
+
+BENCH_REVS ?= HEAD
+bench-pipeline: setup ## the four stages timed part by part (start-up, tracking, loop); BENCH_REVS=a,b side by side
+	$(PY) -m stages.bench --pipeline --revs $(BENCH_REVS)
 
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
 # in one run for a lent GPU machine. Its python may come with the requirements already:

@@ -15,7 +15,9 @@ import copy
 import ctypes
 import dataclasses
 import datetime
+import os
 import platform
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +29,13 @@ from stages.data import Split, load_meta, load_split
 from stages.files import atomic_write, write_json, write_text
 from stages.loop import train
 from stages.models import build_model
-from stages.runtime import proc_status_mb, reset_peak_mem, resolve_device, resolve_precision
+from stages.runtime import (
+    cpu_has_bf16,
+    proc_status_mb,
+    reset_peak_mem,
+    resolve_device,
+    resolve_precision,
+)
 from stages.sources import build_meta, load_digits, resize, stratified_split
 
 # The article's rows. `standard` is a textbook loop: DataLoader in the main process, fp32,
@@ -151,7 +159,7 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        else cpu_label(),
         "precision_auto": resolve_precision("auto", device),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "settings": {"rounds": rounds, "steps": steps, "batch_size": batch_size,
@@ -162,6 +170,17 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
         "(the kernel's VmHWM, reset per epoch; DataLoader worker processes not included)",
         "rows": results,
     }
+
+
+def cpu_label() -> str:
+    """The CPU a figure came from: results differ between CPUs with and without bf16."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        name = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()
+    except (OSError, AttributeError):
+        name = platform.processor() or platform.machine()
+    bf16 = "bf16 (AMX/AVX512-BF16)" if cpu_has_bf16() else "no bf16: fp32"
+    return f"{name}, {os.cpu_count()} cores, {bf16}"
 
 
 def markdown(report: dict) -> str:
@@ -230,7 +249,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cifar-width", type=int, default=64, help="model.width on the synthetic set")
     ap.add_argument("--out", type=Path, default=Path("bench"), help="folder for report.md, chart.png")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="time the four stages instead, per part (start-up, tracking, loop, work)")
+    ap.add_argument("--revs", default="HEAD",
+                    help="with --pipeline: comma-separated git revisions, side by side")
     args = ap.parse_args(argv)
+    if args.pipeline:
+        from stages import bench_pipeline
+
+        rounds = args.rounds or (1 if args.quick else 2)
+        report = bench_pipeline.pipeline([r for r in args.revs.split(",") if r], rounds)
+        text = bench_pipeline.markdown(report, cpu_label(), rounds)
+        print(text)
+        write_text(args.out / "pipeline.md", text + "\n")
+        write_json(args.out / "pipeline.json", {"cpu": cpu_label(), "rounds": rounds,
+                                               "revisions": report})
+        return
 
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in ROWS]

@@ -14,9 +14,11 @@ import hashlib
 import json
 import os
 import sys
+import time
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -44,9 +46,32 @@ class ParamsError(UserError, ValueError):
     """A params.yaml problem; the message names the key and says how to fix it."""
 
 
+# Where a stage's time goes, for `python -m stages.bench --pipeline`: seconds in MLflow calls
+# (imports included) and in the training loop; the rest of `main` is the stage's own work.
+STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
+
+
+_timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
+
+
+@contextmanager
+def timed(phase: str) -> Iterator[None]:
+    if phase in _timing:
+        yield
+        return
+    start = time.perf_counter()
+    _timing.add(phase)
+    try:
+        yield
+    finally:
+        _timing.discard(phase)
+        STAGE_TIMES[phase] += time.perf_counter() - start
+
+
 def run_stage(main: Callable[[], None]) -> None:
     """A stage's entry point: a user error, a missing input or a full disk ends it with one
     line that says what to do."""
+    entered = time.time()
     try:
         main()
     except (UserError, FileNotFoundError) as e:
@@ -55,6 +80,12 @@ def run_stage(main: Callable[[], None]) -> None:
         if e.errno != errno.ENOSPC:
             raise
         sys.exit(f"error: {e.strerror}")
+    if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
+        record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
+                  "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
+                  **STAGE_TIMES}
+        with open(os.environ["REPROTRAIN_TIMINGS"], "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stages.config import MlflowConfig, repo_root
+from stages.config import MlflowConfig, repo_root, timed
 from stages.files import write_json
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
@@ -135,7 +135,8 @@ class Tracker:
         if not self.enabled:
             return None
         try:
-            return fn(*args, **kwargs)
+            with timed("tracking_s"):
+                return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
             self.enabled = False
             warnings.warn(f"MLflow logging to {self.uri} failed ({type(e).__name__}: {e}); "
@@ -159,7 +160,8 @@ class Tracker:
         if not self.enabled:
             return
         try:
-            mlflow.log_metrics(named, step=step)
+            with timed("tracking_s"):
+                mlflow.log_metrics(named, step=step)
             return
         except MlflowException:
             pass
@@ -289,21 +291,22 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
     tracker = Tracker(tracking_uri(cfg))
     ended = None
     try:
-        import mlflow
+        with timed("tracking_s"):
+            import mlflow
 
-        mlflow.set_tracking_uri(tracker.uri)
-        with _store_lock(tracker.uri):
-            exp_id = _experiment_id(cfg.experiment, tracker.uri)
-        if run_id:
-            ended = mlflow.MlflowClient().get_run(run_id).info.end_time if keep_duration else None
-            run = mlflow.start_run(run_id=run_id)
-        else:
-            run = mlflow.start_run(experiment_id=exp_id, run_name=run_name())
-        tracker.run_id, tracker.enabled = run.info.run_id, True
-        tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
-                          "lock_sha256": lock_hash(),
-                          "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
-                          **(tags or {})})
+            mlflow.set_tracking_uri(tracker.uri)
+            with _store_lock(tracker.uri):
+                exp_id = _experiment_id(cfg.experiment, tracker.uri)
+            if run_id:
+                ended = mlflow.MlflowClient().get_run(run_id).info.end_time if keep_duration else None
+                run = mlflow.start_run(run_id=run_id)
+            else:
+                run = mlflow.start_run(experiment_id=exp_id, run_name=run_name())
+            tracker.run_id, tracker.enabled = run.info.run_id, True
+            tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
+                              "lock_sha256": lock_hash(),
+                              "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+                              **(tags or {})})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({type(e).__name__}: {e}); "
                       "continuing without tracking, DVC outputs are unaffected", stacklevel=3)

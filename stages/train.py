@@ -19,7 +19,17 @@ import torch
 
 from stages import distributed, tracking
 from stages.checkpoints import latest_checkpoint
-from stages.config import PREPARED, TRAIN_DIR, Params, flatten, load_params, params_hash, repo_root, run_stage
+from stages.config import (
+    PREPARED,
+    STAGE_TIMES,
+    TRAIN_DIR,
+    Params,
+    flatten,
+    load_params,
+    params_hash,
+    repo_root,
+    run_stage,
+)
 from stages.data import load_meta, load_split
 from stages.files import save_torch, write_csv, write_json
 from stages.loop import train
@@ -102,6 +112,7 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         write_csv(TRAIN_DIR / "history.csv", HISTORY,
                   ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
                    for r in result.history))
+        STAGE_TIMES["loop_s"] = result.train_s
         run.set_tags({"device": result.device, "precision": result.precision,
                       "loader": result.loader})
         run.log_metrics(metrics | {"train_s": result.train_s, "samples_per_s":

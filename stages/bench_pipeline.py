@@ -1,0 +1,93 @@
+"""python -m stages.bench --pipeline: where an experiment's wall time goes, stage by stage.
+
+Each git revision gets its own clone; every round runs the four stages there as DVC runs them
+(`python -m stages.<name>`, a fresh process each), rounds interleaved across revisions so that
+a noisy neighbour slows them alike. Round 0 is a discarded warm-up: it creates the clone's
+data, `mlflow.db` (schema migrations) and Python's bytecode caches, which a user pays once.
+
+Per stage: the wall time of the process, split into start-up (interpreter and imports, up to
+the stage's `main`), tracking (MLflow calls, their imports included), the training loop, the
+stage's own work, and exit (teardown after `main`). The overhead is everything but the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STAGES = ("prepare", "train", "evaluate", "export")
+PARTS = ("startup_s", "tracking_s", "loop_s", "work_s", "exit_s")
+
+
+def clone(rev: str, dest: Path) -> Path:
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(Path.cwd()), str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", rev], check=True)
+    return dest
+
+
+def run_stage(workspace: Path, stage: str) -> dict:
+    """One stage in a fresh process; its own timing record where the revision writes one."""
+    timings = workspace / ".timings.jsonl"
+    timings.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_"))}
+    env |= {"REPROTRAIN_TIMINGS": str(timings), "REPROTRAIN_T0": repr(time.time())}
+    start = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=workspace, env=env,
+                       capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if p.returncode:
+        raise RuntimeError(f"{stage} failed in {workspace}:\n{p.stderr[-2000:]}")
+    m = {"wall_s": wall}
+    if timings.exists():
+        rec = json.loads(timings.read_text().splitlines()[-1])
+        m |= {"startup_s": rec["startup_s"], "tracking_s": rec["tracking_s"],
+              "loop_s": rec["loop_s"], "exit_s": wall - rec["startup_s"] - rec["main_s"],
+              "work_s": rec["main_s"] - rec["tracking_s"] - rec["loop_s"]}
+    elif stage == "train":  # an older revision: the loop's seconds end its last line
+        found = re.search(r"([\d.]+)s\s*$", p.stdout)
+        m["loop_s"] = float(found.group(1)) if found else None
+    return m
+
+
+def pipeline(revs: list[str], rounds: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        spaces = {rev: clone(rev, Path(tmp) / f"r{i}") for i, rev in enumerate(revs)}
+        samples: dict[str, dict[str, list[dict]]] = {r: {s: [] for s in STAGES} for r in revs}
+        for round_ in range(rounds + 1):
+            for rev, ws in spaces.items():
+                for stage in STAGES:
+                    m = run_stage(ws, stage)
+                    if round_:
+                        samples[rev][stage].append(m)
+                    print(f"  round {round_}/{rounds} {rev} {stage}: {m['wall_s']:.1f} s",
+                          file=sys.stderr, flush=True)
+    out = {}
+    for rev, stages in samples.items():
+        rows = {s: {k: statistics.median(x[k] for x in ms) if ms[0].get(k) is not None else None
+                    for k in ("wall_s", *PARTS)} for s, ms in stages.items()}
+        total = sum(r["wall_s"] for r in rows.values())
+        loop = rows["train"]["loop_s"] or 0.0
+        out[rev] = {"stages": rows, "total_s": total, "loop_s": loop,
+                    "overhead_s": total - loop, "overhead_per_loop": (total - loop) / loop}
+    return out
+
+
+def markdown(report: dict, cpu: str, rounds: int) -> str:
+    lines = [f"Pipeline, stage by stage ({cpu}; median of {rounds} rounds after a warm-up):", "",
+             "| revision | stage | wall | start-up | tracking | loop | own work | exit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for rev, r in report.items():
+        for stage, m in r["stages"].items():
+            cells = [f"{m[k]:.1f} s" if m.get(k) is not None else "-" for k in ("wall_s", *PARTS)]
+            lines.append(f"| {rev} | {stage} | " + " | ".join(cells) + " |")
+        lines.append(f"| {rev} | **total** | **{r['total_s']:.1f} s** | | | {r['loop_s']:.1f} s "
+                     f"| overhead {r['overhead_s']:.1f} s = {r['overhead_per_loop']:.2f}x the "
+                     "loop | |")
+    return "\n".join(lines)
