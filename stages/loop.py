@@ -183,7 +183,8 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
         val_loss, val_acc = validate(parts, val_split, setup, max(batch_size, 256))
         row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
                "val_loss": val_loss, "val_acc": val_acc, "lr": sums["lr"],
-               "grad_norm": sums["grad_norm"].item() / max(1, int(sums["finite_norms"])),
+               "grad_norm": sums["grad_norm"].item() / int(sums["finite_norms"])
+               if sums["finite_norms"] else math.nan,
                "samples_per_s": sums["seen"] / train_s, "epoch_s": time.perf_counter() - t0,
                "peak_mem_mb": peak_mem_mb(setup.device)}
         state.history.append(row)
@@ -224,9 +225,9 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
 
 def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
            world: int) -> Setup:
-    # Under torchrun each process has its own GPU, which distributed.init made current.
-    device = resolve_device(cfg.device, torch.cuda.current_device() if world > 1 and
-                            torch.cuda.is_available() else None)
+    device = resolve_device(cfg.device)
+    if world > 1 and device.type == "cuda":  # each process's own GPU, made current at init
+        device = torch.device("cuda", torch.cuda.current_device())
     set_backends(cfg.deterministic)
     # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout
     # transposes; it pays together with bf16 (README "How fast").
@@ -271,6 +272,11 @@ def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
     if cfg.compile:
         net = torch.compile(net, mode=None if cfg.compile is True else cfg.compile)
     ema = EMA(model, cfg.ema_decay) if cfg.ema else None
+    if cfg.compile in CUDA_GRAPH_MODES:
+        # CUDA graphs must not allocate `.grad` inside their capture: zeroed gradients from the
+        # start, kept (zeroed, not freed) after every step.
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
     # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
     scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
     return Parts(model, net, ddp, ema, build_optimizer(model, cfg, lr, device), scaler,
@@ -344,9 +350,8 @@ def optimizer_step(parts: Parts, cfg: TrainConfig, lr: float) -> Tensor:
         group["lr"] = lr
     parts.scaler.step(parts.optimizer)
     parts.scaler.update()
-    # set_to_none frees the gradient memory and skips a zero-fill kernel, except under CUDA
-    # graphs (compile: reduce-overhead, max-autotune), which must not allocate `.grad` inside
-    # their capture when gradients accumulate.
+    # set_to_none frees the gradient memory and skips a zero-fill kernel; CUDA graphs keep
+    # theirs (see `wrap`).
     parts.optimizer.zero_grad(set_to_none=cfg.compile not in CUDA_GRAPH_MODES)
     if parts.ema is not None:
         parts.ema.update(parts.model)

@@ -5,6 +5,7 @@ branch in `Schedule.lr_at` (or `end_epoch`, if it reacts to validation) and its 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -47,14 +48,15 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float):
-        self.module = copy.deepcopy(model).requires_grad_(False)
+        self.module = copy.deepcopy(model)
         self.decay = decay
         self.updates = 0
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        pairs = list(zip(self.module.state_dict().values(), model.state_dict().values(),
-                         strict=True))
+        pairs = list(zip(itertools.chain(self.module.parameters(), self.module.buffers()),
+                         itertools.chain(model.parameters(), model.buffers()), strict=True))
+        pairs = [(a.detach(), m.detach()) for a, m in pairs]
         floats = [(a, m) for a, m in pairs if a.is_floating_point()]
         # Counters (num_batches_tracked) are copied, never averaged.
         copied = pairs if self.updates == 0 else [(a, m) for a, m in pairs if not a.is_floating_point()]

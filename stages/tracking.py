@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -228,10 +229,9 @@ def _log_dataset(meta: dict, root: str) -> None:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    if meta["source"] == "digits":
-        import sklearn.datasets
-
-        where = Path(sklearn.datasets.__file__).parent / "data" / "digits.csv.gz"
+    if meta["source"] == "digits":  # scikit-learn's file, found without importing it (seconds)
+        where = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
+                     "datasets", "data", "digits.csv.gz")
     else:
         where = (repo_root() / root).resolve()
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local

@@ -82,3 +82,15 @@ def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
     assert torch.equal(epoch_order(100, 3, 5), epoch_order(100, 3, 5))
     assert not torch.equal(epoch_order(100, 3, 5), epoch_order(100, 3, 6))
     assert sorted(epoch_order(100, 3, 5).tolist()) == list(range(100))
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    import numpy as np
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from stages.sources import load_digits
+
+    x, y, classes = load_digits()
+    theirs = sklearn_digits()
+    assert torch.equal(x[:, 0], torch.from_numpy(np.round(theirs.images * (255 / 16)).astype(np.uint8)))
+    assert y.tolist() == theirs.target.tolist() and classes == [str(c) for c in range(10)]
