@@ -49,6 +49,9 @@ class ParamsError(UserError, ValueError):
 # Where a stage's time goes, for `python -m stages.bench --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
+# Libraries that cost a second or more to import: which of them a stage loaded.
+HEAVY_IMPORTS = ("sklearn", "scipy", "torch._dynamo", "torch._inductor", "torch.onnx", "mlflow",
+                 "matplotlib", "onnxruntime", "torchvision")
 
 
 _timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
@@ -83,7 +86,7 @@ def run_stage(main: Callable[[], None]) -> None:
     if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
         record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
                   "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
-                  **STAGE_TIMES}
+                  **STAGE_TIMES, "imported": [m for m in HEAVY_IMPORTS if m in sys.modules]}
         with open(os.environ["REPROTRAIN_TIMINGS"], "a") as f:
             f.write(json.dumps(record) + "\n")
 

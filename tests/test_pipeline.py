@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 def repo(tmp_path_factory):
     """A fresh copy of the repo after one `dvc repro` with a short training run."""
     path = copy_repo(tmp_path_factory.mktemp("repo"), {"epochs": "3"})
-    run(["dvc", "repro"], path, env=env_with())
+    timings = tmp_path_factory.mktemp("timings") / "stages.jsonl"
+    run(["dvc", "repro"], path, env=env_with(REPROTRAIN_TIMINGS=str(timings)))
+    shutil.copy(timings, path / ".dvc/tmp/stage-timings.jsonl")
     return path
 
 
@@ -63,6 +65,20 @@ def test_repro_writes_every_output(repo):
     model_json = json.loads((repo / "models/export/model.json").read_text())
     assert model_json["classes"] == [str(i) for i in range(10)]
     assert model_json["input_shape"] == [1, 16, 16]
+
+
+def test_no_stage_imports_a_heavy_library_it_does_not_use(repo):
+    """Each import costs a second or more of every experiment (README "How fast")."""
+    records = [json.loads(line) for line in
+               (repo / ".dvc/tmp/stage-timings.jsonl").read_text().splitlines()]
+    imported = {r["stage"]: set(r["imported"]) for r in records}
+    assert list(imported) == ["prepare", "train", "evaluate", "export"]
+    # (mlflow brings scipy; torch.optim brings torch._dynamo on its first parameter group.)
+    assert not {"mlflow", "matplotlib", "torch.onnx", "torch._dynamo"} & imported["prepare"]
+    assert not {"sklearn", "torch._inductor", "matplotlib", "onnxruntime"} & imported["train"]
+    assert not {"sklearn", "torch._dynamo", "torch.onnx"} & imported["evaluate"]
+    train = next(r for r in records if r["stage"] == "train")
+    assert 0 < train["loop_s"] < train["main_s"] and 0 < train["tracking_s"] < train["main_s"]
 
 
 def test_one_mlflow_run_holds_params_metrics_and_artifacts(repo):
