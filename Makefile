@@ -93,8 +93,7 @@ gpu-check: $(if $(filter command line,$(origin PY)),,setup) ## on a GPU machine:
 	@# A failing test must not cost the bench its turn on a scarce GPU: the status comes last.
 	$(PY) -m pytest -p no:cacheprovider -v -rs tests/test_gpu.py 2>&1 | tee $(GPU_CHECK_OUT)/tests.txt \
 		&& echo passed > $(GPU_CHECK_OUT)/status || echo failed > $(GPU_CHECK_OUT)/status
-	$(PY) -m stages.bench --datasets cifar,digits --rows standard,amp,pinned_workers,optimized,optimized_batch4x \
-		--rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
+	$(PY) -m stages.bench --datasets cifar,digits --rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
 	@grep -qx passed $(GPU_CHECK_OUT)/status || { echo "gpu-check: tests failed, see $(GPU_CHECK_OUT)/tests.txt"; exit 1; }
 
 plots-template: setup ## rebuild .dvc/plots/offline.html (Vega inlined, so plots render offline)

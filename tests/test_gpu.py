@@ -98,6 +98,27 @@ def test_2_a_resumed_cuda_run_ends_bitwise_where_an_uninterrupted_one_does(digit
     assert same_weights(full.model, resumed.model)
 
 
+def test_two_short_cuda_runs_give_bitwise_identical_weights(digits):
+    runs = [fit(cnn(), digits, epochs=2, precision="auto", **CUDA) for _ in range(2)]
+    assert same_weights(runs[0].model, runs[1].model)
+
+
+def test_the_stage_under_torchrun_with_one_process_on_cuda(tmp_path, digits, mlflow_uri):
+    import json
+    import shutil
+
+    from stages.data import save_prepared
+    from tests.conftest import env_with, run, set_params
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    set_params(tmp_path / "params.yaml", {"epochs": "2"})
+    save_prepared(tmp_path / "data/prepared", *digits)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "-m", "stages.train"], tmp_path,
+        env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri))
+    assert json.loads((tmp_path / "models/train/metrics.json").read_text())["best_val_acc"] > 0.5
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_3_two_nccl_processes_train_the_stage(tmp_path, digits, mlflow_uri):
     import json
