@@ -51,8 +51,9 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
 	$(PY) -m stages.share
 
+# --durations: the slowest tests, to see where the suite's minutes go.
 test: setup ## run the test suite
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=20
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)

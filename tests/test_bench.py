@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from stages.bench import NOISY_SPREAD, QUICK_SKIPS, ROWS, markdown
 from tests.conftest import ROOT, env_with, run
 
@@ -50,3 +52,19 @@ def test_report_warns_about_rows_whose_rounds_disagree():
     text = markdown(report)
     assert "Noisy: optimized varied by more than 25%" in text
     assert "Noisy: standard" not in text and "standard, optimized" not in text
+
+
+def test_pipeline_bench_splits_a_real_stage_run_into_its_parts(tmp_path):
+    from stages import bench_pipeline
+    from tests.conftest import copy_repo
+
+    repo = copy_repo(tmp_path)
+    m = bench_pipeline.run_stage(repo, "prepare")
+    parts = [m[k] for k in bench_pipeline.PARTS]
+    assert all(p >= 0 for p in parts) and m["loop_s"] == 0 and m["tracking_s"] == 0
+    assert sum(parts) == pytest.approx(m["wall_s"], rel=1e-6)  # the parts add up to the wall
+    assert m["startup_s"] > 0.1  # the interpreter and torch's import, before `main`
+    report = {"HEAD": {"stages": {"prepare": m, "train": {**m, "loop_s": 2.0}}, "total_s": 10.0,
+                       "loop_s": 2.0, "overhead_s": 8.0, "overhead_per_loop": 4.0}}
+    text = bench_pipeline.markdown(report, "a CPU", 1)
+    assert "| HEAD | prepare |" in text and "overhead 8.0 s = 4.00x the loop" in text
