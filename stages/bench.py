@@ -9,7 +9,6 @@ figure (compilation is reported in its own column). One warm-up round is discard
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import ctypes
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from stages.config import PREPARED, DataConfig, TrainConfig, load_params
+from stages.config import PREPARED, ArgumentParser, DataConfig, TrainConfig, load_params, positive_int
 from stages.data import Split, load_meta, load_split
 from stages.files import atomic_write, write_json, write_text
 from stages.loop import train
@@ -236,17 +235,17 @@ def bar_chart(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m stages.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="few steps and rounds, no compile row: under a minute on 2 CPU cores")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     ap.add_argument("--datasets", default="digits,cifar",
                     help="digits, cifar (synthetic 32x32x3) and/or prepared (data/prepared)")
-    ap.add_argument("--rounds", type=int, default=None, help="measured rounds (default 5, quick 1)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per epoch (default 20, quick 6)")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--synthetic-size", type=int, default=32, help="side of the synthetic images")
-    ap.add_argument("--cifar-width", type=int, default=64, help="model.width on the synthetic set")
+    ap.add_argument("--rounds", type=positive_int, default=None, help="measured rounds (default 5, quick 1)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="steps per epoch (default 20, quick 6)")
+    ap.add_argument("--batch-size", type=positive_int, default=32)
+    ap.add_argument("--synthetic-size", type=positive_int, default=32, help="side of the synthetic images")
+    ap.add_argument("--cifar-width", type=positive_int, default=64, help="model.width on the synthetic set")
     ap.add_argument("--out", type=Path, default=Path("bench"), help="folder for report.md, chart.png")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--pipeline", action="store_true",

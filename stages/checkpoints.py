@@ -6,34 +6,26 @@ module only keeps the files safe.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from pathlib import Path
 
 import torch
 
 from stages.config import UserError
-from stages.files import save_torch, write_text
+from stages.files import digest_path, save_torch_verified, verify_digest
 
 
 class CheckpointError(UserError, RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def save_checkpoint(state: dict, ckpt_dir: Path, epoch: int, keep: int = 2) -> Path:
     """Atomic (temp file, then rename) with a checksum beside it; the last `keep` are kept."""
     path = ckpt_dir / f"epoch-{epoch:04d}.pt"
-    save_torch(path, state)
-    # The checksum is written last: a checkpoint without one was never finished.
-    write_text(path.with_suffix(".sha256"), _sha256(path) + "\n")
+    save_torch_verified(path, state)
     for old in sorted(ckpt_dir.glob("epoch-*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
-        old.with_suffix(".sha256").unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
     return path
 
 
@@ -45,10 +37,8 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
         stale.unlink(missing_ok=True)
     found = sorted(ckpt_dir.glob("epoch-*.pt"), reverse=True)
     for path in found:
-        digest = path.with_suffix(".sha256")
         try:
-            if not digest.exists() or digest.read_text().strip() != _sha256(path):
-                raise ValueError("checksum missing or does not match (truncated or corrupted)")
+            verify_digest(path)
             state = torch.load(path, map_location="cpu", weights_only=True)
             state["path"] = str(path)
             return state

@@ -7,12 +7,16 @@ quoted number fails naming the key, instead of being silently coerced or ignored
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import errno
 import hashlib
 import json
+import math
 import os
+import re
+import signal
 import sys
 import time
 import types
@@ -79,6 +83,12 @@ def run_stage(main: Callable[[], None]) -> None:
         main()
     except (UserError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        # Ctrl-C is a choice, not a crash: one line, and the shell's 130.
+        print("error: interrupted (Ctrl-C); outputs are unchanged or complete, never half "
+              "written; rerun to continue (training resumes from its last checkpoint)",
+              file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -94,6 +104,25 @@ def run_stage(main: Callable[[], None]) -> None:
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ParamsError(f"params.yaml: {key}={value!r} is invalid: {rule}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other error (exit code 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def _choice(key: str, value: Any, choices: tuple) -> None:
@@ -177,7 +206,8 @@ class TrainConfig:
     nproc_per_node: Union[int, str] = 1  # noqa: UP007
 
     def __post_init__(self) -> None:
-        _choice("train.device", self.device.split(":")[0], ("auto", "cpu", "cuda", "mps"))
+        _require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device) is not None,
+                 "train.device", self.device, "use auto, cpu, cuda, cuda:N (N a GPU index) or mps")
         _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.loader", self.loader, ("auto", "device", "dataloader"))
         _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
@@ -311,13 +341,16 @@ def _check(raw: dict, schema: type, prefix: str = "") -> None:
             quoted = " (remove the quotes)" if isinstance(value, str) and tp in (int, float) else ""
             raise ParamsError(f"params.yaml: {name}={value!r} must be {_type_name(tp)}, "
                               f"not {type(value).__name__}{quoted}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            # .inf passes every `>= 0` range check, then breaks the schedule or the loss later.
+            raise ParamsError(f"params.yaml: {name}={value!r} must be a finite number")
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: not found; run from the repository root")
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    raw = _read_yaml(path)
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of keys to values")
     try:
@@ -332,6 +365,21 @@ def load_params(path: str | Path = "params.yaml") -> Params:
                               f"`git checkout {path}` restores the committed values, then "
                               "`dvc repro` the outputs DVC removed (from its run-cache)") from None
         raise
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML as plain containers; a syntax error or a duplicate key names the line."""
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        where = getattr(e, "problem_mark", None)
+        line = f"line {where.line + 1}: " if where else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ParamsError(f"{path}: {line}{what}; fix the YAML (`git diff {path}` shows your "
+                          "edits)") from None
 
 
 def flatten(params: Params) -> dict[str, Any]:

@@ -5,12 +5,14 @@ augments it is `batches.py`."""
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from stages.config import UserError
 from stages.files import save_torch, write_json
 
 SPLITS = ("train", "val", "test")
@@ -40,8 +42,13 @@ def load_split(prepared: Path, name: str) -> Split:
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run `dvc repro prepare` first")
     # mmap: a large split is paged in as batches touch it, not read whole into memory.
-    d = torch.load(path, weights_only=True, mmap=True)
-    return Split(d["x"], d["y"])
+    try:
+        d = torch.load(path, weights_only=True, mmap=True)
+        return Split(d["x"], d["y"])
+    except (RuntimeError, OSError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        f"restore it with `dvc checkout {prepared}` or rebuild it with "
+                        "`dvc repro -f prepare`") from None
 
 
 def normalize(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:

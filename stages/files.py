@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import hashlib
 import io
 import json
 import os
@@ -24,20 +25,61 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     tmp = Path(tmp)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make outputs private
     try:
         write(tmp)
+        # After the write: mkstemp's 0600 would make outputs private, and a writer that
+        # replaces the file (safetensors does) brings its own 0600 back.
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if not isinstance(e, KeyboardInterrupt) and _interrupted(e):
+            # Ctrl-C inside torch.save surfaces as its zip writer's RuntimeError
+            # (inline_container.cc): keep it a Ctrl-C, so the run ends KILLED, not FAILED.
+            raise KeyboardInterrupt from None
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise OSError(errno.ENOSPC, f"disk full while writing {path}; the previous "
                           f"{path.name}, if any, is intact. Free space on the disk of "
                           f"{path.parent} and rerun") from e
         raise
     return path
+
+
+def _interrupted(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__context__
+    return False
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def digest_path(path: str | Path) -> Path:
+    """The SHA-256 beside a file: `epoch-0003.pt` -> `epoch-0003.sha256`."""
+    return Path(path).with_suffix(".sha256")
+
+
+def save_torch_verified(path: str | Path, obj: Any) -> Path:
+    """save_torch, then its SHA-256 beside it. The checksum is written last: a file without one
+    was never finished."""
+    save_torch(path, obj)
+    write_text(digest_path(path), sha256_file(path) + "\n")
+    return Path(path)
+
+
+def verify_digest(path: str | Path) -> None:
+    """Raises ValueError unless `path` matches the SHA-256 written beside it."""
+    digest = digest_path(path)
+    if not digest.exists():
+        raise ValueError(f"checksum missing: no {digest} (its write never finished)")
+    if digest.read_text().strip() != sha256_file(path):
+        raise ValueError(f"checksum mismatch with {digest} (truncated or corrupted)")
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -14,6 +16,9 @@ from PIL import Image, ImageOps
 from stages.config import UserError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
+# The largest image file read: each is read whole (hashed, then decoded), in every worker at
+# once. Larger files (a 40000x40000 TIFF, a stray disk image) are rejected and listed.
+MAX_IMAGE_BYTES = 256 * 2**20
 
 
 class DataError(UserError, ValueError):
@@ -54,10 +59,20 @@ def to_mode(img: Image.Image, mode: str) -> Image.Image:
     return img.convert(mode)
 
 
+def check_size(path: str | Path) -> None:
+    """Before reading a file whole: its size (through symlinks) within MAX_IMAGE_BYTES."""
+    n = os.stat(path).st_size
+    if n > MAX_IMAGE_BYTES:
+        raise DataError(f"{n / 2**20:,.0f} MiB, over the {MAX_IMAGE_BYTES // 2**20} MiB limit "
+                        "for one image file (MAX_IMAGE_BYTES in stages/images.py)")
+
+
 def decode_image(source: str | Path | bytes, channels: int, size: int,
                  resize: str) -> np.ndarray:
     """uint8 (C, size, size) from a file or its bytes. Raises DataError with the reason for an
     unreadable file."""
+    if not isinstance(source, bytes):
+        check_size(source)
     empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
     if empty:
         raise DataError("empty file (0 bytes)")
@@ -78,6 +93,7 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
 def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str, str]:
     path, channels, size, resize = args
     try:
+        check_size(path)
         data = Path(path).read_bytes()  # read once: hashed for leakage, then decoded
         return decode_image(data, channels, size, resize), "", hashlib.sha256(data).hexdigest()
     except (DataError, OSError) as e:
@@ -91,5 +107,8 @@ def decode_many(paths: list[Path], channels: int, size: int, resize: str,
     if workers <= 1:
         yield from map(_decode_one, jobs)
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # Workers ignore Ctrl-C: the main process stops them, with one line instead of a
+    # KeyboardInterrupt traceback from each.
+    with ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
+                             initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
         yield from pool.map(_decode_one, jobs, chunksize=32)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from stages.config import ModelConfig, UserError
+from stages.files import verify_digest
 
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
@@ -64,15 +65,24 @@ class CheckpointRefused(UserError, ValueError):
 
 
 def load_checkpoint(path, map_location: str | torch.device = "cpu") -> dict:
-    """weights_only=True: a checkpoint is data; a pickle that runs code is refused, no fallback."""
+    """Verified against the SHA-256 train wrote beside it (a damaged file would evaluate
+    silently to a wrong figure), then weights_only=True: a checkpoint is data; a pickle that
+    runs code is refused, no fallback."""
     try:
+        verify_digest(path)
         return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: missing; run `dvc repro train` first") from None
+    except ValueError as e:
+        raise CheckpointRefused(f"{path}: {e}; restore it with `dvc checkout {path}` or "
+                                "rebuild it with `dvc repro train`") from None
     except pickle.UnpicklingError as e:
         raise CheckpointRefused(f"{path}: refused to load, it is not a plain weights file "
                                 f"(weights_only=True: {str(e).splitlines()[0]}). Rebuild it with "
                                 "`dvc repro train`; never load it with weights_only=False") from None
+    except (RuntimeError, EOFError) as e:  # a damaged archive that still matches its checksum
+        raise CheckpointRefused(f"{path}: unreadable ({str(e).splitlines()[0]}); rebuild it "
+                                "with `dvc repro train`") from None
 
 
 def load_trained(path) -> tuple[nn.Module, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +29,24 @@ def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tup
     summary = {
         "accuracy": float((pred == true).mean()),
         "loss": F.cross_entropy(logits, y).item(),
-        "macro_f1": float(f.mean()),
+        "macro_f1": float(f[present_labels(true, classes)].mean()),
         "n": int(len(true)),
     }
     per_class = {c: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]),
                      "support": int(s[i])} for i, c in enumerate(classes)}
     return summary, per_class
+
+
+def present_labels(true: np.ndarray, classes: list[str]) -> list[int]:
+    """The classes the test split holds. One it lacks (present in train only) has no recall to
+    measure: its F1 of 0 in macro_f1 would mark down the model for a gap in the data."""
+    present = sorted(set(true.tolist()))
+    absent = [c for i, c in enumerate(classes) if i not in present]
+    if absent:
+        print(f"warning: {len(absent)} classes have no test images ({', '.join(absent)}): "
+              f"macro_f1 averages the {len(present)} classes present; add test images of them "
+              "or a larger data.test_fraction", file=sys.stderr)
+    return present
 
 
 def write_per_class_csv(path: Path, per_class: dict[str, dict]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from stages.config import ParamsError
 from stages.data import Split, normalize
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -19,8 +20,15 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     """`auto`: CUDA, else MPS, else the CPU. Under torchrun each process takes its own GPU."""
-    if name != "auto" and name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={name!r} but CUDA is not available; use auto or cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ParamsError(f"params.yaml: train.device={name!r} but CUDA is not available on "
+                          "this machine; use auto or cpu")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ParamsError(f"params.yaml: train.device={name!r} but this machine has "
+                          f"{torch.cuda.device_count()} GPU(s), numbered from 0")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ParamsError("params.yaml: train.device='mps' but MPS (Apple GPUs, macOS) is not "
+                          "available here; use auto or cpu")
     device = torch.device(name) if name != "auto" else \
         torch.device("cuda") if torch.cuda.is_available() else \
         torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")

@@ -15,6 +15,7 @@ import csv
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -32,6 +33,10 @@ from stages.files import write_json
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+# MLflow's sqlite store logs every database error with its traceback (about 60 lines for a
+# read-only mlflow.db) before raising it; the one warning below says it instead.
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 RUN_FILE = "run.json"
 # MLflow's chart view groups metrics by the part of the name before the first `/`.
@@ -64,6 +69,13 @@ def metric_name(key: str) -> str:
     """The MLflow name of a metric: grouped, and with every character MLflow refuses (a class
     folder may be called `a,b` or `c+d`) replaced by `_`."""
     return re.sub(r"[^\w\-. :/]", "_", METRIC_NAMES.get(key, key), flags=re.ASCII)
+
+
+def reason(e: Exception) -> str:
+    """An exception in one line: SQLAlchemy's carry the SQL, its parameters and a link."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not
+             line.startswith(("[SQL", "[parameters", "(Background", "(raised as a result"))]
+    return f"{type(e).__name__}: {' '.join(lines)[:300]}"
 
 
 def tracking_uri(cfg: MlflowConfig) -> str:
@@ -140,7 +152,7 @@ class Tracker:
                 return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
             self.enabled = False
-            warnings.warn(f"MLflow logging to {self.uri} failed ({type(e).__name__}: {e}); "
+            warnings.warn(f"MLflow logging to {self.uri} failed ({reason(e)}); "
                           "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
             return None
 
@@ -308,7 +320,7 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
                               "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
                               **(tags or {})})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
-        warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({type(e).__name__}: {e}); "
+        warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({reason(e)}); "
                       "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
     # SIGTERM (a CI cancel, `kill`) becomes SystemExit, so the run is closed as KILLED.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

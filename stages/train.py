@@ -13,6 +13,7 @@ import platform
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ from stages.config import (
     STAGE_TIMES,
     TRAIN_DIR,
     Params,
+    ParamsError,
+    UserError,
     flatten,
     load_params,
     params_hash,
@@ -31,9 +34,10 @@ from stages.config import (
     run_stage,
 )
 from stages.data import load_meta, load_split
-from stages.files import save_torch, write_csv, write_json
+from stages.files import save_torch_verified, write_csv, write_json
 from stages.loop import train
 from stages.models import build_model, count_params
+from stages.runtime import resolve_device
 
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
@@ -41,10 +45,15 @@ TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
 # history.csv: the per-epoch figures that compare across machines and reruns; the timings of
 # each epoch (samples_per_s, epoch_s, peak_mem_mb) go to MLflow only.
 HISTORY = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm"]
+# Unfinished runs of other params: the newest few are always kept (parallel queued experiments
+# write theirs every epoch); older ones go once untouched this long.
+KEEP_OTHER_RUNS = 3
+STALE_RUN_S = 7 * 24 * 3600
 
 
 def main() -> None:
     params = load_params()
+    resolve_device(params.train.device)  # an unusable device fails now, not after the data loads
     nproc = distributed.requested_processes(params.train)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
@@ -73,8 +82,10 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         torch.distributed.barrier()  # every rank reads the checkpoints rank 0 left in place
     resume = latest_checkpoint(ckpt_dir)
     if resume is None and rank == 0:
-        _note_other_unfinished_runs(ckpt_dir, decisive)
+        tidy_other_runs(ckpt_dir, decisive)
         write_json(ckpt_dir / "params.json", decisive)
+    started = training_params(params)
+    watch = ParamsWatch(Path("params.yaml"), started)
 
     tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
             "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
@@ -90,10 +101,11 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             run.log_dataset(meta, params.data.root)
         result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
                        lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
-                       seed=params.seed, log=run.log, ckpt_dir=ckpt_dir, resume=resume,
+                       seed=params.seed, log=watch.wrap(run.log), ckpt_dir=ckpt_dir, resume=resume,
                        extra_state={"run_id": run.run_id}, rank=rank, world=world)
         if rank != 0:
             return
+        watch.check(force=True)  # the last chance before a result is recorded under its params
 
         # The checkpoint describes itself: weights of the uncompiled module plus all it takes
         # to rebuild and feed the model. Nothing run-specific (run id, timings): the same
@@ -103,7 +115,8 @@ def train_stage(params: Params, rank: int, world: int) -> None:
                       "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
                       "channels": meta["channels"], "image_size": meta["image_size"],
                       "resize": meta["resize"], "best_epoch": result.best_epoch}
-        save_torch(TRAIN_DIR / "model.pt", checkpoint)
+        # With its SHA-256 beside it (model.sha256, written last): every reader verifies it.
+        save_torch_verified(TRAIN_DIR / "model.pt", checkpoint)
         # What is worth comparing between experiments; timings and ids go to MLflow only.
         metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
                    "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
@@ -127,17 +140,80 @@ def train_stage(params: Params, rank: int, world: int) -> None:
           f"{result.best_epoch}, {result.train_s:.1f}s")
 
 
-def _note_other_unfinished_runs(ckpt_dir: Path, decisive: dict) -> None:
+def training_params(params: Params) -> dict:
+    """The params train declares in dvc.yaml (seed, lr, epochs, batch_size, model, train)."""
+    return {k: v for k, v in flatten(params).items() if k.startswith(TRAINING_KEYS)}
+
+
+class ParamsWatch:
+    """Fails the run when params.yaml's training params change under it. Two `dvc exp run` in
+    one workspace: the second writes its params here before DVC refuses it as busy, and the
+    first would train on, log and be recorded with the second's values."""
+
+    def __init__(self, path: Path, started: dict):
+        self.path, self.started = path, started
+        self.seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+            return st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
+
+    def check(self, force: bool = False) -> None:
+        stamp = self._stamp()
+        if stamp == self.seen and not force:
+            return  # a stat per log call; the YAML is parsed only when the file changed
+        self.seen = stamp
+        try:
+            now = training_params(load_params(self.path))
+            diff = ", ".join(f"{k}: {v!r} -> {now.get(k)!r}" for k, v in self.started.items()
+                             if now.get(k) != v)
+        except ParamsError as e:
+            diff = f"it no longer loads: {e}"
+        if diff:
+            raise UserError(f"{self.path} changed while training ({diff}): another `dvc exp "
+                            "run` in this workspace wrote its params, and this run would be "
+                            "recorded under them, so nothing was written. Run experiments side "
+                            "by side with `dvc exp run --queue` (then `dvc queue start`) or "
+                            "`dvc exp run --temp`, one at a time in the workspace")
+
+    def wrap(self, log):
+        def checked(metrics: dict, step: int) -> None:
+            self.check()
+            log(metrics, step)
+
+        return checked
+
+
+def _last_write(folder: Path) -> float:
+    return max((p.stat().st_mtime for p in folder.iterdir()), default=folder.stat().st_mtime)
+
+
+def tidy_other_runs(ckpt_dir: Path, decisive: dict) -> None:
     """Changed params start afresh in their own folder (so parallel queued experiments never
-    mix); an unfinished run of other params is kept and named, with what differs."""
-    for other in sorted(ckpt_dir.parent.glob("*/params.json")):
-        if other.parent == ckpt_dir or not any(other.parent.glob("epoch-*.pt")):
-            continue
-        theirs = json.loads(other.read_text())
+    mix). Unfinished runs of other params are kept to be resumed, the newest few always, older
+    ones until untouched for STALE_RUN_S; one note names the newest and what differs."""
+    if not ckpt_dir.parent.is_dir():
+        return
+    others = sorted((d for d in ckpt_dir.parent.iterdir() if d.is_dir() and d != ckpt_dir),
+                    key=_last_write, reverse=True)
+    stale = [d for d in others[KEEP_OTHER_RUNS:] if time.time() - _last_write(d) > STALE_RUN_S]
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
+    kept = [d for d in others if d not in stale and (d / "params.json").exists()
+            and any(d.glob("epoch-*.pt"))]
+    if stale:
+        print(f"note: removed {len(stale)} unfinished runs of other params untouched for "
+              f"{STALE_RUN_S // 86400} days from {ckpt_dir.parent}", file=sys.stderr)
+    if kept:
+        theirs = json.loads((kept[0] / "params.json").read_text())
         diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in decisive.items()
                          if theirs.get(k) != v)
+        more = f" (and {len(kept) - 1} older)" if len(kept) > 1 else ""
         print(f"note: starting afresh; an unfinished run with other params is kept in "
-              f"{other.parent} ({diff}). Restore those params to resume it.", file=sys.stderr)
+              f"{kept[0]}{more} ({diff}). Restore those params to resume it.", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path, digits):
     (work / "models/train").mkdir(parents=True)
     with open(work / "models/train/model.pt", "wb") as f:
         pickle.dump({"model": Exploit(marker)}, f)
+    # With a matching checksum: it is the loading that must refuse it.
+    (work / "models/train/model.sha256").write_text(files_sha(work / "models/train/model.pt"))
     (work / "models/train/run.json").write_text('{"run_id": null}')
     p = run([sys.executable, "-m", "stages.evaluate"], work,
             env=env_with(PYTHONPATH=str(ROOT)), check=False)
@@ -323,3 +325,413 @@ def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
         proc.wait(timeout=30)
 
 
+# ------------------------------------------------------------ 13: hostile and damaged model files
+
+
+def one_error_line(stderr: str) -> str:
+    """The error, alone on the last line; before it at most progress lines, no traceback."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or "Traceback" in line]
+    assert errors == lines[-1:] and lines[-1].startswith("error: "), stderr
+    return lines[-1]
+
+
+@pytest.fixture
+def exported(tmp_path, digits):
+    """What export writes, for a small real model: model.pt2, model.safetensors, model.json,
+    and two real test images."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from stages.export import export_program, export_pt2
+
+    splits, meta = digits
+    out = tmp_path / "export"
+    out.mkdir()
+    model = cnn(width=8).eval()
+    export_pt2(export_program(model, torch.zeros(2, 1, 16, 16)), out / "model.pt2")
+    save_file(model.state_dict(), out / "model.safetensors")
+    (out / "model.json").write_text(json.dumps({
+        "model_params": {"arch": "cnn", "width": 8, "dropout": 0.1}, "classes": meta["classes"],
+        "mean": meta["mean"], "std": meta["std"], "input_shape": [1, 16, 16]}))
+    for i in range(2):
+        Image.fromarray(splits["test"].x[i, 0].numpy()).save(tmp_path / f"img{i}.png")
+    return out
+
+
+def predict(tmp_path, *args):
+    return run([sys.executable, "-m", "stages.predict", *args], tmp_path,
+               env=env_with(PYTHONPATH=str(ROOT)), check=False)
+
+
+def rewrite_zip(src, dst, edit):
+    import zipfile
+
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w") as out:
+        for name in z.namelist():
+            out.writestr(name, edit(name, z.read(name)))
+
+
+def test_a_hostile_pt2_never_runs_its_code(tmp_path, exported):
+    marker = tmp_path / "pwned"
+    symbol = b"Symbol('s31', positive=True, integer=True)"
+    hostile = {
+        # torch.export.load retries a failed weights-only load with full unpickling...
+        "pickled_inputs": lambda n, b: pickle.dumps((Exploit(marker), {}))
+        if n.endswith("sample_inputs/model.pt") else b,
+        # ...and evaluates the symbolic shapes with sympy, an eval.
+        "sympy": lambda n, b: b.replace(symbol, b"(open('" + str(marker).encode() + b"', 'w')"
+                                        b" and 0) or " + symbol) if n.endswith("models/model.json")
+        else b,
+    }
+    good = json.loads(predict(tmp_path, "img0.png", "img1.png", "--json", "--model",
+                              str(exported / "model.pt2")).stdout.splitlines()[0])
+    for name, edit in hostile.items():
+        rewrite_zip(exported / "model.pt2", exported / f"{name}.pt2", edit)
+        target = exported / "model.pt2"
+        shutil.copy(exported / f"{name}.pt2", target)
+        p = predict(tmp_path, "img0.png", "img1.png", "--json", "--model", str(target))
+        assert not marker.exists(), f"{name}: predict ran the file's code"
+        assert p.returncode == 0 and json.loads(p.stdout.splitlines()[0]) == good, p.stderr
+        # The fault is real: torch.export.load itself runs it.
+        try:
+            torch.export.load(str(exported / f"{name}.pt2")).module()
+        except Exception:  # noqa: BLE001, S110 - whether it then fails does not matter
+            pass
+        assert marker.exists(), f"{name}: the hostile file is not hostile"
+        marker.unlink()
+
+    # A weight stored as a pickle: refused, never unpickled.
+    import zipfile
+
+    with zipfile.ZipFile(exported / "sympy.pt2") as z:
+        cfg_name = next(n for n in z.namelist() if n.endswith("model_weights_config.json"))
+        weight_name = cfg_name.replace("model_weights_config.json", "weight_0")
+
+    def pickled_weight(n, b):
+        if n == cfg_name:
+            cfg = json.loads(b)
+            cfg["config"]["0.0.weight"]["use_pickle"] = True
+            return json.dumps(cfg).encode()
+        return pickle.dumps(Exploit(marker)) if n == weight_name else b
+
+    rewrite_zip(exported / "pickled_inputs.pt2", exported / "model.pt2", pickled_weight)
+    p = predict(tmp_path, "img0.png", "--model", str(exported / "model.pt2"))
+    assert p.returncode == 1 and "is a pickle, refused" in one_error_line(p.stderr)
+    assert not marker.exists()
+
+
+def test_a_hostile_onnx_reaching_outside_its_folder_is_one_line(tmp_path, exported):
+    import onnx
+    from onnx import TensorProto, helper
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(bytes(256 * 10 * 4))
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[256, 10],
+                         data_location=TensorProto.EXTERNAL)
+    for k, v in {"location": "../secret.bin", "offset": "0", "length": str(256 * 10 * 4)}.items():
+        weight.external_data.add(key=k, value=v)
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["image"], ["flat"]),
+         helper.make_node("MatMul", ["flat", "w"], ["logits"])], "g",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["n", 1, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              str(exported / "model.onnx"))
+    p = predict(tmp_path, "img0.png", "--model", str(exported / "model.onnx"))
+    assert p.returncode == 1 and "onnxruntime refused it" in one_error_line(p.stderr)
+
+
+def test_predict_validates_its_arguments_in_one_line(tmp_path, exported):
+    for args in (["--batch-size", "-1"], ["--batch-size", "0"], ["--top-k", "-1"],
+                 ["--top-k", "x"]):
+        p = predict(tmp_path, "img0.png", "--model", str(exported / "model.pt2"), *args)
+        assert p.returncode == 2 and args[0] in one_error_line(p.stderr), (args, p.stderr)
+        assert p.stdout == ""
+    (tmp_path / "model.pt").write_bytes(b"x")
+    p = predict(tmp_path, "img0.png", "--model", "model.pt")
+    assert p.returncode == 1 and "not an exported model" in one_error_line(p.stderr)
+    assert "missing" not in p.stderr
+
+
+def test_predict_text_output_escapes_tabs_and_newlines_in_names(tmp_path, exported):
+    odd = tmp_path / "a\tb\nc.png"
+    shutil.copy(tmp_path / "img0.png", odd)
+    p = predict(tmp_path, str(odd), "img1.png", "--model", str(exported / "model.safetensors"))
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("\t") for line in p.stdout.splitlines()]
+    assert len(rows) == 2 and all(len(r) == 3 for r in rows)
+    assert rows[0][0] == str(odd).replace("\t", "\\t").replace("\n", "\\n")
+    js = predict(tmp_path, str(odd), "--json", "--model", str(exported / "model.safetensors"))
+    assert json.loads(js.stdout)["path"] == str(odd)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, digits, mlflow_uri):
+    """A real tiny training run: models/train/ with its MLflow run."""
+    w = workspace(tmp_path_factory.mktemp("trained"), digits, epochs="2")
+    run([sys.executable, "-m", "stages.train"], w,
+        env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri))
+    return w
+
+
+@pytest.mark.parametrize("damage", ["flip 4000 bytes", "truncate"])
+def test_a_damaged_model_pt_fails_naming_it_and_logs_nothing(trained, tmp_path, mlflow_uri, damage):
+    import mlflow
+
+    w = tmp_path / "w"
+    shutil.copytree(trained, w)
+    model = w / "models/train/model.pt"
+    data = bytearray(model.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        for i in range(4000):
+            data[len(data) // 4 + i * 7 % (len(data) // 2)] ^= 0xFF
+    model.write_bytes(bytes(data))
+    p = run([sys.executable, "-m", "stages.evaluate"], w,
+            env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri), check=False)
+    line = one_error_line(p.stderr)
+    assert p.returncode == 1 and "models/train/model.pt" in line and "checksum mismatch" in line
+    assert not (w / "models/eval").exists()
+    run_id = json.loads((w / "models/train/run.json").read_text())["run_id"]
+    assert "eval/accuracy" not in mlflow.MlflowClient(mlflow_uri).get_run(run_id).data.metrics
+
+
+def test_a_truncated_prepared_split_fails_naming_it(tmp_path, digits):
+    w = workspace(tmp_path / "w", digits)
+    split = w / "data/prepared/train.pt"
+    split.write_bytes(split.read_bytes()[:5000])
+    p = run([sys.executable, "-m", "stages.train"], w, env=env_with(PYTHONPATH=str(ROOT)),
+            check=False)
+    assert p.returncode == 1 and "data/prepared/train.pt: unreadable" in one_error_line(p.stderr)
+
+
+# ------------------------------------------------------------ 14: racing experiments, Ctrl-C
+
+
+def wait_for_checkpoint(proc, w, epoch: int = 1) -> None:
+    deadline = time.time() + 300
+    while not list(w.glob(f".checkpoints/*/epoch-{epoch:04d}.sha256")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def interruptible() -> None:
+    """In the child: Ctrl-C as in a terminal. A shell without job control starts background
+    commands (and everything they start) with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.slow
+def test_params_changed_under_a_training_run_fail_it_naming_the_cause(tmp_path, digits, mlflow_uri):
+    import mlflow
+
+    w = workspace(tmp_path / "w", digits, epochs="40", batch_size="16")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, text=True,
+                            env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_checkpoint(proc, w)
+    run_id = latest_checkpoint(next(w.glob(".checkpoints/*")))["run_id"]
+    set_params(w / "params.yaml", {"lr": "0.01"})  # what a second `dvc exp run -S lr=0.01` does
+    _, err = proc.communicate(timeout=300)
+    line = one_error_line(err)
+    assert proc.returncode == 1 and "lr: 0.003 -> 0.01" in line
+    assert "--queue" in line and "--temp" in line
+    assert not (w / "models/train/model.pt").exists()
+    run_info = mlflow.MlflowClient(mlflow_uri).get_run(run_id)
+    assert run_info.info.status == "FAILED" and "val/best_acc" not in run_info.data.metrics
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_train_is_one_line_and_the_run_killed(tmp_path, digits, mlflow_uri):
+    import mlflow
+
+    w = workspace(tmp_path / "w", digits, epochs="40", batch_size="16")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, text=True,
+                            env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=interruptible)
+    wait_for_checkpoint(proc, w)
+    run_id = latest_checkpoint(next(w.glob(".checkpoints/*")))["run_id"]
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted (Ctrl-C)" in one_error_line(err)
+    assert mlflow.MlflowClient(mlflow_uri).get_run(run_id).info.status == "KILLED"
+
+
+def folder_workspace(w):
+    """params.yaml for an image folder in w/raw, decoded by two worker processes."""
+    w.mkdir()
+    shutil.copy(ROOT / "params.yaml", w / "params.yaml")
+    set_params(w / "params.yaml", {"data.source": "folder", "data.root": "raw",
+                                   "data.num_workers": "2"})
+    return w
+
+
+def test_ctrl_c_in_prepare_is_one_line(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    w = folder_workspace(tmp_path / "w")
+    rng = np.random.default_rng(0)
+    for c in ("circle", "square", "triangle"):  # noise decodes slowly: seconds of decoding
+        (w / "raw" / c).mkdir(parents=True)
+        for j in range(4):
+            src = w / "raw" / c / f"{j}.png"
+            Image.fromarray(rng.integers(0, 255, (400, 400, 3), dtype=np.uint8)).save(src)
+            for i in range(150):
+                os.link(src, src.with_name(f"{j}_{i}.png"))
+    proc = subprocess.Popen([sys.executable, "-m", "stages.prepare"], cwd=w, text=True,
+                            env=env_with(PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=interruptible)
+    deadline = time.time() + 120
+    while not list(w.glob("data/prepared/.*.npy")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    time.sleep(1.5)  # decoding in the workers (a Ctrl-C while they fork is lost in CPython)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted (Ctrl-C)" in one_error_line(err)
+    assert not (w / "data/prepared/train.pt").exists()
+
+
+def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_path):
+    import threading
+
+    path = tmp_path / "big.pt"
+    path.write_bytes(b"previous")
+    big = {f"t{i}": torch.zeros(4_000_000) for i in range(12)}
+    threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT)).start()
+    # Interrupted mid-record, torch.save's zip writer fails with an inline_container.cc
+    # RuntimeError: that would mark the MLflow run FAILED, not KILLED.
+    with pytest.raises(KeyboardInterrupt):
+        files.save_torch(path, big)
+    assert path.read_bytes() == b"previous" and not list(tmp_path.glob(".*tmp*"))
+
+
+# ------------------------------------------------------------ 15: params, prepare, tracking
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("lr: 0.1\nlr: 0.2\n", "params.yaml: line 2: found duplicate key lr"),
+    ("lr: [0.1\n", "params.yaml: line 2: expected ',' or ']'"),
+])
+def test_a_yaml_error_in_params_is_one_line_naming_the_line(tmp_path, text, expected):
+    (tmp_path / "params.yaml").write_text(text)
+    p = run([sys.executable, "-m", "stages.prepare"], tmp_path,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 1 and expected in one_error_line(p.stderr)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"train.warmup_epochs": ".inf"}, "train.warmup_epochs=inf must be a finite number"),
+    ({"lr": ".inf"}, "lr=inf must be a finite number"),
+    ({"train.min_lr": ".nan"}, "train.min_lr=nan must be a finite number"),
+    ({"train.device": "cpu:abc"}, "train.device='cpu:abc' is invalid"),
+    ({"train.device": "mps"}, "MPS (Apple GPUs, macOS) is not available"),
+    ({"train.device": "cuda"}, "CUDA is not available on this machine"),
+])
+def test_values_that_would_fail_later_are_refused_before_the_data_loads(tmp_path, edit, expected):
+    if "cuda" in expected and torch.cuda.is_available() or \
+            "MPS" in expected and torch.backends.mps.is_available():
+        pytest.skip("the device exists here")
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    set_params(tmp_path / "params.yaml", edit)
+    # No data/prepared at all: the refusal must come first.
+    p = run([sys.executable, "-m", "stages.train"], tmp_path,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 1 and expected in one_error_line(p.stderr)
+
+
+def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):
+    from stages.images import MAX_IMAGE_BYTES
+    from tests.images import make_folder
+
+    w = folder_workspace(tmp_path / "w")
+    make_folder(w / "raw", per_class=30, bad=False)
+    sparse = tmp_path / "disk.img"
+    with open(sparse, "wb") as f:
+        f.truncate(8 * 2**30)  # 8 GiB that take no disk: read whole, a MemoryError
+    assert sparse.stat().st_size > MAX_IMAGE_BYTES
+    (w / "raw/circle/huge.png").symlink_to(sparse)
+    p = run([sys.executable, "-m", "stages.prepare"], w, env=env_with(PYTHONPATH=str(ROOT)),
+            check=False)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "MemoryError" not in p.stderr
+    assert "skipped 1 unreadable files" in p.stderr
+    rejected = (w / "data/prepared/rejected.csv").read_text()
+    assert "huge.png" in rejected and "limit" in rejected
+
+
+def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd):
+    import mlflow
+
+    from stages import tracking
+    from stages.config import MlflowConfig
+
+    db = tmp_path / "mlflow.db"  # a store that has served runs, then became read-only
+    shutil.copy(mlflow_uri.removeprefix("sqlite:///"), db)
+    mlflow.MlflowClient(f"sqlite:///{db}").create_experiment(
+        "read-only", artifact_location=(tmp_path / "art").as_uri())
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///file:{db}?mode=ro&uri=true"
+    try:
+        with pytest.warns(UserWarning) as caught, tracking.start_run(MlflowConfig("read-only")) as r:
+            r.log_metrics({"a": 1.0})
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"]
+    assert [str(w.message) for w in caught if "MLflow" in str(w.message)] == [
+        next(str(w.message) for w in caught if "readonly database" in str(w.message))]
+    assert "\n" not in str(caught[0].message)
+    out = capfd.readouterr()
+    assert "Traceback" not in out.err and "SQL" not in out.err, out.err
+
+
+def test_a_class_absent_from_the_test_split_is_named_and_left_out_of_macro_f1(digits, capsys):
+    from stages.report import classification_metrics
+
+    splits, meta = digits
+    test = splits["test"]
+    keep = test.y != 9
+    y = test.y[keep]
+    logits = torch.nn.functional.one_hot(y, 10).float() * 10  # every prediction right
+    metrics, per_class = classification_metrics(logits, y, meta["classes"])
+    assert metrics["accuracy"] == 1.0 and metrics["macro_f1"] == 1.0  # not 0.9
+    assert per_class["9"]["support"] == 0
+    err = capsys.readouterr().err
+    assert "1 classes have no test images (9)" in err
+
+
+def test_abandoned_checkpoint_folders_are_removed_and_noted_once(tmp_path, capsys):
+    from stages.train import KEEP_OTHER_RUNS, STALE_RUN_S, tidy_other_runs
+
+    root = tmp_path / ".checkpoints"
+    old = time.time() - STALE_RUN_S - 3600
+    folders = []
+    for i in range(KEEP_OTHER_RUNS + 4):
+        d = root / f"run{i}"
+        d.mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps({"lr": 0.001 * (i + 1)}))
+        (d / "epoch-0001.pt").write_bytes(b"x")
+        when = time.time() - 60 * i if i < KEEP_OTHER_RUNS + 2 else old - i
+        for f in (*d.iterdir(), d):
+            os.utime(f, (when, when))
+        folders.append(d)
+    tidy_other_runs(root / "current", {"lr": 0.5})
+    err = capsys.readouterr().err.splitlines()
+    assert [d.exists() for d in folders] == [True] * (KEEP_OTHER_RUNS + 2) + [False] * 2
+    assert len(err) == 2 and "removed 2 unfinished runs" in err[0]
+    assert "run0" in err[1] and f"and {KEEP_OTHER_RUNS + 1} older" in err[1]
+    assert "lr: 0.001 -> 0.5" in err[1]
+
+
+def test_outputs_are_world_readable_also_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    umask = os.umask(0o022)
+    try:
+        path = files.atomic_write(tmp_path / "model.safetensors",
+                                  lambda p: save_file({"w": torch.zeros(3)}, p))
+    finally:
+        os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o644

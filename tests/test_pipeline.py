@@ -43,7 +43,8 @@ def exps_table(path) -> list[str]:
 
 def test_repro_writes_every_output(repo):
     for f in ("data/prepared/meta.json", "data/prepared/train.pt", "models/train/model.pt",
-              "models/train/metrics.json", "models/train/history.csv", "models/train/run.json",
+              "models/train/model.sha256", "models/train/metrics.json", "models/train/history.csv",
+              "models/train/run.json",
               "models/eval/metrics.json", "models/eval/confusion.csv", "models/eval/confusion.png",
               "models/eval/misclassified.png", "models/eval/per_class.csv",
               "models/export/model.onnx", "models/export/model.pt2",
