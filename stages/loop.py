@@ -154,7 +154,6 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     is then the global batch, split evenly across the processes. `extra_state` goes into every
     checkpoint as is.
     """
-    t_start = time.perf_counter()
     setup = set_up(cfg, mean, std, seed, world)
     loader = resolve_loader(cfg, [train_split, val_split])
     train_split = overfit_subset(train_split, cfg, batch_size, seed)
@@ -166,6 +165,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     guard = NonFiniteGuard(setup.device, world > 1)
     show_bar = (sys.stderr.isatty() if progress is None else progress) and rank == 0
     stopped_early = False
+    t_start = time.perf_counter()  # train_s: the loop itself, set-up excluded
 
     for epoch in range(state.epoch, epochs):
         # Dropout draws from a generator seeded per (seed, epoch, rank): each process has its
