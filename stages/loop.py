@@ -228,7 +228,7 @@ def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
     device = resolve_device(cfg.device)
     if world > 1 and device.type == "cuda":  # each process's own GPU, made current at init
         device = torch.device("cuda", torch.cuda.current_device())
-    set_backends(cfg.deterministic, compiling=bool(cfg.compile))
+    set_backends(cfg.deterministic)
     # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout
     # transposes; it pays together with bf16 (README "How fast").
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format

@@ -64,15 +64,12 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
                           enabled=precision in AMP_DTYPES)
 
 
-def set_backends(deterministic: bool, compiling: bool) -> None:
+def set_backends(deterministic: bool) -> None:
     if deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; set before its first use.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         # warn_only: a CUDA op without a deterministic kernel warns instead of killing the run.
-        if compiling:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        else:  # the same switch, without importing Inductor (seconds) for a flag only it reads
-            torch._C._set_deterministic_algorithms(True, warn_only=True)
+        torch.use_deterministic_algorithms(True, warn_only=True)
         # ...but not its NaN-filling of every torch.empty, a debugging aid that costs a tenth of
         # a CPU step (profiled); no kernel we use reads memory it did not write.
         torch.utils.deterministic.fill_uninitialized_memory = False

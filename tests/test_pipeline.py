@@ -74,9 +74,10 @@ def test_no_stage_imports_a_heavy_library_it_does_not_use(repo):
                (repo / ".dvc/tmp/stage-timings.jsonl").read_text().splitlines()]
     imported = {r["stage"]: set(r["imported"]) for r in records}
     assert list(imported) == ["prepare", "train", "evaluate", "export"]
-    # (mlflow brings scipy; torch.optim brings torch._dynamo on its first parameter group.)
+    # (mlflow brings scipy; torch.optim brings torch._dynamo, and with it Inductor's config, on
+    # its first parameter group.)
     assert not {"mlflow", "matplotlib", "torch.onnx", "torch._dynamo"} & imported["prepare"]
-    assert not {"sklearn", "torch._inductor", "matplotlib", "onnxruntime"} & imported["train"]
+    assert not {"sklearn", "matplotlib", "onnxruntime"} & imported["train"]
     assert not {"sklearn", "torch._dynamo", "torch.onnx"} & imported["evaluate"]
     train = next(r for r in records if r["stage"] == "train")
     assert 0 < train["loop_s"] < train["main_s"] and 0 < train["tracking_s"] < train["main_s"]
