@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.config import DataConfig
-from stages.data import SPLITS, Split
+from stages.data import SPLITS, Split, digits_file
 from stages.images import IMAGE_EXTS, DataError, decode_many, image_files
 
 
@@ -98,11 +97,6 @@ def load_digits() -> tuple[Tensor, Tensor, list[str]]:
     images = data[:, :-1].reshape(-1, 8, 8)
     x = torch.from_numpy(np.round(images * (255 / 16)).astype(np.uint8)).unsqueeze(1)
     return x, torch.from_numpy(data[:, -1].astype(np.int64)), [str(c) for c in range(10)]
-
-
-def digits_file() -> Path:
-    return Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
-                "datasets", "data", "digits.csv.gz")
 
 
 TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}

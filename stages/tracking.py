@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -241,9 +240,10 @@ def _log_dataset(meta: dict, root: str) -> None:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    if meta["source"] == "digits":  # scikit-learn's file, found without importing it (seconds)
-        where = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
-                     "datasets", "data", "digits.csv.gz")
+    if meta["source"] == "digits":
+        from stages.data import digits_file  # here: `make ui` imports this module, not torch
+
+        where = digits_file()
     else:
         where = (repo_root() / root).resolve()
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
