@@ -119,3 +119,39 @@ def test_defaults_agree_in_the_schema_params_yaml_and_the_readme():
         assert key in documented, f"README's parameter table lacks {key}"
         assert documented[key] in (shown, f"`{shown}`", f"'{shown}'", '""' * (value == "")), \
             f"README says {key} defaults to {documented[key]!r}; the schema says {value!r}"
+
+
+def test_a_finished_stage_exits_without_losing_anything(tmp_path):
+    """run_stage skips the interpreter's teardown: a thread still writing, an exit handler and
+    unflushed output must all come out as on a normal exit, with exit status 0."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "stage.py"
+    script.write_text(f"""
+import atexit, sys, threading, time
+from pathlib import Path
+from stages.config import run_stage
+out = Path({str(tmp_path)!r})
+
+def late_writer():
+    time.sleep(0.5)
+    (out / "thread.txt").write_text("written")
+
+def main():
+    threading.Thread(target=late_writer).start()
+    atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
+    print("no newline, still buffered", end="")
+    sys.stderr.write("to stderr")
+
+run_stage(main)
+raise SystemExit("run_stage returned: the stage did not exit")
+""")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "no newline, still buffered"
+    assert done.stderr.endswith("to stderr")
+    assert (tmp_path / "thread.txt").read_text() == "written"
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
