@@ -14,9 +14,9 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +48,19 @@ from stages.runtime import (
     set_backends,
 )
 
-Log = Callable[[dict[str, float], int], None]
+
+class Log(Protocol):
+    """Where the loop's figures go. `durable`: stored before the call returns. An epoch's row
+    is, since the checkpoint written next covers that epoch: a run killed after it and resumed
+    would otherwise never log that epoch."""
+
+    def __call__(self, metrics: dict[str, float], step: int, durable: bool = False) -> None: ...
+
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that use CUDA graphs
 
 
-def no_log(metrics: dict[str, float], step: int) -> None:
+def no_log(metrics: dict[str, float], step: int, durable: bool = False) -> None:
     pass
 
 
@@ -188,7 +196,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
                "samples_per_s": sums["seen"] / train_s, "epoch_s": time.perf_counter() - t0,
                "peak_mem_mb": peak_mem_mb(setup.device)}
         state.history.append(row)
-        log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1)
+        log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1, durable=True)
         if verbose and rank == 0:
             print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} train_acc "
                   f"{train_acc:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} lr "

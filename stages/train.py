@@ -180,9 +180,9 @@ class ParamsWatch:
                             "`dvc exp run --temp`, one at a time in the workspace")
 
     def wrap(self, log):
-        def checked(metrics: dict, step: int) -> None:
+        def checked(metrics: dict, step: int, durable: bool = False) -> None:
             self.check()
-            log(metrics, step)
+            log(metrics, step, durable)
 
         return checked
 

@@ -103,3 +103,9 @@ def tiny_train_cfg():
 
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The end-to-end runs first: under `-n 2` the workers then finish together on short tests,
+    instead of one idling while the other runs a minute-long pipeline collected last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
