@@ -51,9 +51,12 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
 	$(PY) -m stages.share
 
+# Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
+# loadscope keeps each module on one worker: its module-scoped trained repo is made once.
 # --durations: the slowest tests, to see where the suite's minutes go.
-test: setup ## run the test suite
-	$(PY) -m pytest --durations=20
+TEST_WORKERS ?= 2
+test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=20
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)

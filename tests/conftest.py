@@ -102,7 +102,12 @@ def tiny_train_cfg():
     return TrainConfig(warmup_epochs=0.5, log_every=1000)
 
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under `make test`'s two workers, one thread each, for this process and every subprocess it
+# starts (stages, dvc, torchrun): two processes of two OpenMP threads on two cores spin against
+# each other, and the in-process training tests ran ten times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 0)) or min(2, torch.get_num_threads()))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -131,10 +131,6 @@ def test_make_verify_reruns_everything_to_the_same_bytes(repo):
     client, runs = mlflow_runs(repo)
     assert len(runs) == 2 and "eval/accuracy" in runs[1].data.metrics
     assert len(client.get_metric_history(runs[0].info.run_id, "eval/accuracy")) == 1
-    # A second training is a second run; evaluate logged into it, not into the first.
-    client, runs = mlflow_runs(repo)
-    assert len(runs) == 2 and "eval/accuracy" in runs[1].data.metrics
-    assert len(client.get_metric_history(runs[0].info.run_id, "eval/accuracy")) == 1
 
 
 def test_a_fresh_clone_that_retrains_to_the_committed_bytes_still_logs_eval(repo, tmp_path):
@@ -152,19 +148,26 @@ def test_a_fresh_clone_that_retrains_to_the_committed_bytes_still_logs_eval(repo
     assert runs[-1].data.metrics["eval/accuracy"] == pytest.approx(metrics["accuracy"])
 
 
-def test_exp_run_changes_only_the_value_in_params_yaml(repo):
-    p = run(["dvc", "exp", "run", "-S", "lr=0.01"], repo, env=env_with())
+def test_exp_run_changes_only_the_values_given_and_trains_through_torchrun(repo):
+    """One experiment for two promises (a pipeline run each would cost ~40 s): `-S` edits only
+    the values it names, and train.nproc_per_node=2 trains through torchrun under DVC."""
+    p = run(["dvc", "exp", "run", "-S", "lr=0.01", "-S", "train.nproc_per_node=2"], repo,
+            env=env_with())
     assert "Stage 'prepare' didn't change, skipping" in p.stdout  # only what changed reruns
+    assert "trained cnn" in p.stderr + p.stdout
     diff = run(["git", "diff", "-U0", "params.yaml"], repo).stdout
     changed = [ln for ln in diff.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
-    assert changed == ["-lr: 0.003", "+lr: 0.01"]
+    assert changed == ["-lr: 0.003", "+lr: 0.01", "-  nproc_per_node: 1", "+  nproc_per_node: 2"]
+    assert json.loads((repo / "models/eval/metrics.json").read_text())["accuracy"] >= 0.9
     _, runs = mlflow_runs(repo)
     latest = runs[-1]
-    assert latest.data.params["lr"] == "0.01"
+    assert latest.data.params["lr"] == "0.01" and latest.data.params["train.nproc_per_node"] == "2"
+    assert latest.data.tags["world_size"] == "2" and latest.info.status == "FINISHED"
     assert latest.info.run_name == latest.data.tags["dvc_exp_name"]  # named after the experiment
     shown = json.loads(run(["dvc", "exp", "show", "--json"], repo, env=env_with()).stdout)
     text = json.dumps(shown)
     assert '"lr": 0.01' in text and '"accuracy"' in text
+    run(["git", "checkout", "params.yaml"], repo)
 
 
 def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
@@ -200,26 +203,15 @@ def test_plots_render_offline_in_a_real_browser(repo, tmp_path):
     assert "_confusion.png" in dom and "_misclassified.png" in dom
 
 
-def test_exp_run_with_two_processes_trains_through_torchrun(repo):
-    p = run(["dvc", "exp", "run", "-S", "train.nproc_per_node=2"], repo, env=env_with())
-    assert "trained cnn" in p.stderr + p.stdout
-    metrics = json.loads((repo / "models/eval/metrics.json").read_text())
-    assert metrics["accuracy"] >= 0.9
-    client, runs = mlflow_runs(repo)
-    assert runs[-1].data.params["train.nproc_per_node"] == "2"
-    assert runs[-1].data.tags["world_size"] == "2" and runs[-1].info.status == "FINISHED"
-    run(["git", "checkout", "params.yaml"], repo)
-
-
 def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
-    """Three queued experiments on two workers; the third changes only an eval param, so its
-    training comes from the run-cache (the `dvc repro` above) and its evaluate must not write
-    into that earlier experiment's run."""
+    """Two queued experiments run side by side on two workers, one store; the second changes
+    only an eval param, so its training comes from the run-cache (the `dvc repro` above) and its
+    evaluate must not write into that earlier experiment's run."""
     client, before = mlflow_runs(repo)
     trained = json.loads((repo / "models/train/run.json").read_text())
     first_training = before[0].info.run_id
     env = env_with()
-    run(["dvc", "exp", "run", "--queue", "-S", "lr=0.001,0.02"], repo, env=env)
+    run(["dvc", "exp", "run", "--queue", "-S", "lr=0.02"], repo, env=env)
     run(["dvc", "exp", "run", "--queue", "-S", "eval.batch_size=128"], repo, env=env)
     run(["dvc", "queue", "start", "-j", "2"], repo, env=env)
     deadline = time.time() + 900
@@ -229,15 +221,15 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
             break
         assert time.time() < deadline, status
         time.sleep(5)
-    assert status.count("Success") >= 3 and "Failed" not in status, status
+    assert status.count("Success") >= 2 and "Failed" not in status, status
     _, after = mlflow_runs(repo)
     new = after[len(before):]
     names = [r.data.tags["dvc_exp_name"] for r in new]
-    assert len(new) == 3 and len(set(names)) == 3  # every experiment findable by its name
+    assert len(new) == 2 and len(set(names)) == 2  # every experiment findable by its name
     assert all(r.info.run_name == r.data.tags["dvc_exp_name"] for r in new)
     assert all(r.info.status == "FINISHED" for r in new)
     by_lr = {r.data.params["lr"]: r for r in new}
-    assert sorted(by_lr) == ["0.001", "0.003", "0.02"]
+    assert sorted(by_lr) == ["0.003", "0.02"]
     hit = by_lr["0.003"]
     assert hit.data.tags["restored_from_run_cache"] == "true"
     assert hit.data.tags["training_run_id"] == first_training != hit.info.run_id
