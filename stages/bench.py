@@ -49,6 +49,10 @@ ROWS: dict[str, tuple[dict, int]] = {  # name: (train overrides, batch-size mult
     "optimized": ({}, 1),  # the repo's default fast path: params.yaml's train section
     "optimized_batch4x": ({}, 4),
     "optimized_compile": ({"compile": True}, 1),
+    # What `optimized` is on a CPU without bf16 (auto precision is fp32 there), and whether
+    # channels_last still pays without bf16's AMX kernels; measurable on any CPU.
+    "optimized_fp32": ({"precision": "fp32"}, 1),
+    "optimized_fp32_nchw": ({"precision": "fp32", "channels_last": False}, 1),
 }
 QUICK_SKIPS = ("optimized_compile",)  # compiling takes 20-50 s on 2 CPU cores
 DATASETS = ("digits", "cifar", "prepared")
