@@ -109,11 +109,11 @@ def exit_now() -> typing.NoReturn:
     freeing torch's and MLflow's thousands of modules and writes nothing: every output is
     already closed and renamed. What a normal exit does that matters is done first, in its
     order: wait for threads, run the exit handlers (logging, multiprocessing, MLflow's queue),
-    flush stdout and stderr."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # private, but stable since Python 2: no public way to run them
+    flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
+    with no public equivalent): `threading._shutdown` also stops idle thread pools, which a
+    plain join of every thread would wait on forever."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

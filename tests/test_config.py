@@ -123,7 +123,8 @@ def test_defaults_agree_in_the_schema_params_yaml_and_the_readme():
 
 def test_a_finished_stage_exits_without_losing_anything(tmp_path):
     """run_stage skips the interpreter's teardown: a thread still writing, an exit handler and
-    unflushed output must all come out as on a normal exit, with exit status 0."""
+    unflushed output must all come out as on a normal exit, with exit status 0, and an idle
+    thread pool (MLflow's, Inductor's) must not keep it waiting."""
     import os
     import subprocess
     import sys
@@ -131,9 +132,11 @@ def test_a_finished_stage_exits_without_losing_anything(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text(f"""
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from stages.config import run_stage
 out = Path({str(tmp_path)!r})
+pool = ThreadPoolExecutor(1)
 
 def late_writer():
     time.sleep(0.5)
@@ -141,6 +144,7 @@ def late_writer():
 
 def main():
     threading.Thread(target=late_writer).start()
+    pool.submit(print, end="")  # its worker stays, idle, until the pool is shut down
     atexit.register(lambda: (out / "atexit.txt").write_text("ran"))
     print("no newline, still buffered", end="")
     sys.stderr.write("to stderr")
