@@ -52,11 +52,12 @@ share: setup ## push outputs and run-cache to the DVC remote, so another machine
 	$(PY) -m stages.share
 
 # Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
-# loadscope keeps each module on one worker: its module-scoped trained repo is made once.
+# loadscope keeps each module on one worker: its module-scoped trained repo is made once;
+# the longest modules go first (tests/conftest.py).
 # --durations: the slowest tests, to see where the suite's minutes go.
 TEST_WORKERS ?= 2
 test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=20
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)

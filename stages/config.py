@@ -114,9 +114,16 @@ def exit_now() -> typing.NoReturn:
     plain join of every thread would wait on forever."""
     threading._shutdown()
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    code = 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: started with the stream closed
+                stream.flush()
+        except BrokenPipeError:
+            code = 120  # what the interpreter returns when its final flush fails
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:

@@ -146,6 +146,13 @@ class Tracker:
 
     def __init__(self, uri: str):
         self.uri, self.run_id, self.enabled = uri, None, False
+        self.logged: dict[str, int] = {}  # a resumed run's last step of each metric
+
+    def resume(self) -> None:
+        """A run resumed from a checkpoint repeats what it logged after that checkpoint (the
+        epoch's row goes out just before it, steps up to 1 s before a kill): `log` skips those
+        steps, which a bitwise resume would log with the same values."""
+        self.logged = self._call(_last_steps, self.run_id) or {}
 
     def _call(self, fn, *args, **kwargs) -> Any:
         if not self.enabled:
@@ -166,6 +173,9 @@ class Tracker:
         import mlflow
 
         named = {metric_name(k): v for k, v in metrics.items()}
+        named = {k: v for k, v in named.items() if step > self.logged.get(k, -1)}
+        if not named:
+            return
         if durable:
             self._call(mlflow.flush_async_logging)
         self._call(mlflow.log_metrics, named, step=step, synchronous=durable)
@@ -261,6 +271,14 @@ def _log_dataset(meta: dict, root: str) -> None:
     dataset = MetaDataset(source, name=meta["source"], digest=meta["sha256"][:32])
     mlflow.log_input(dataset, context="training",
                      tags={"sizes": json.dumps(meta["sizes"]), "classes": str(len(meta["classes"]))})
+
+
+def _last_steps(run_id: str) -> dict[str, int]:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    return {key: max(m.step for m in client.get_metric_history(run_id, key))
+            for key in client.get_run(run_id).data.metrics}
 
 
 def _register(model_uri: str, name: str, accuracy: float) -> dict:

@@ -99,6 +99,8 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         if resume is None:
             run.log_params(flatten(params))
             run.log_dataset(meta, params.data.root)
+        else:
+            run.resume()
         result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
                        lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
                        seed=params.seed, log=watch.wrap(run.log), ckpt_dir=ckpt_dir, resume=resume,

@@ -153,7 +153,9 @@ run_stage(main)
 raise SystemExit("run_stage returned: the stage did not exit")
 """)
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          timeout=120, env={**{k: v for k, v in os.environ.items()
+                                               if k != "PYTHONUNBUFFERED"},  # really buffered
+                                            "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert done.stdout == "no newline, still buffered"
     assert done.stderr.endswith("to stderr")

@@ -24,8 +24,9 @@ def workspace(path, digits, mlflow_uri):
     splits, meta = digits
     path.mkdir()
     shutil.copy(ROOT / "params.yaml", path / "params.yaml")
-    # Small batches: many steps per epoch, so the kill lands inside an epoch.
-    set_params(path / "params.yaml", {"epochs": "5", "batch_size": "16", "model.width": "16"})
+    # Small batches: many steps per epoch (over a second), so the kill lands inside an epoch.
+    set_params(path / "params.yaml", {"epochs": "5", "batch_size": "4", "model.width": "16",
+                                      "train.log_every": "5"})
     save_prepared(path / "data/prepared", splits, meta)
     return env_with(MLFLOW_TRACKING_URI=mlflow_uri, PYTHONPATH=str(ROOT))
 
@@ -42,10 +43,20 @@ def test_sigkill_then_rerun_resumes_to_identical_weights(tmp_path, digits, mlflo
     env = workspace(b, digits, mlflow_uri)
     proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=b, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import mlflow
+
+    client = mlflow.MlflowClient(mlflow_uri)
     deadline = time.time() + 300
     while not list(b.glob(".checkpoints/*/epoch-0002.sha256")):
         assert proc.poll() is None and time.time() < deadline, "training ended before epoch 2"
         time.sleep(0.02)
+    # Kill once epoch 3 has logged steps of its own (MLflow's queue writes about once a second):
+    # the resumed run repeats them, and must not log them twice.
+    run_id = torch.load(max(b.glob(".checkpoints/*/epoch-0002.pt")), weights_only=False)["run_id"]
+    epoch2 = max(m.step for m in client.get_metric_history(run_id, "train/loss_step"))
+    while max(m.step for m in client.get_metric_history(run_id, "train/loss_step")) <= epoch2:
+        assert proc.poll() is None and time.time() < deadline, "training ended in epoch 3"
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)  # mid-epoch 3
     proc.wait()
     assert not (b / "models/train/model.pt").exists()
@@ -59,11 +70,15 @@ def test_sigkill_then_rerun_resumes_to_identical_weights(tmp_path, digits, mlflo
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
-    import mlflow
-
-    client = mlflow.MlflowClient(mlflow_uri)
-    run_id = json.loads((b / "models/train/run.json").read_text())["run_id"]
+    assert json.loads((b / "models/train/run.json").read_text())["run_id"] == run_id
     r = client.get_run(run_id)
     assert r.info.status == "FINISHED"
     steps = {m.step for m in client.get_metric_history(run_id, "val/acc")}
     assert steps == {1, 2, 3, 4, 5}  # the killed epochs and the resumed ones, one run
+    # Every step once, as in the uninterrupted run: nothing the kill cut off is missing, and
+    # nothing logged between the last checkpoint and the kill is logged again on resume.
+    uninterrupted = json.loads((a / "models/train/run.json").read_text())["run_id"]
+    for key in ("val/acc", "train/loss", "train/loss_step", "train/lr_step"):
+        got = [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+        want = [(m.step, m.value) for m in client.get_metric_history(uninterrupted, key)]
+        assert sorted(got) == sorted(want), key
