@@ -55,9 +55,9 @@ def _interrupted(e: BaseException | None) -> bool:
     return False
 
 
-def sha256_file(path: str | Path) -> str:
+def file_hash(path: str | Path, algorithm: str = "sha256") -> str:
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
 def digest_path(path: str | Path) -> Path:
@@ -69,7 +69,7 @@ def save_torch_verified(path: str | Path, obj: Any) -> Path:
     """save_torch, then its SHA-256 beside it. The checksum is written last: a file without one
     was never finished."""
     save_torch(path, obj)
-    write_text(digest_path(path), sha256_file(path) + "\n")
+    write_text(digest_path(path), file_hash(path) + "\n")
     return Path(path)
 
 
@@ -78,7 +78,7 @@ def verify_digest(path: str | Path) -> None:
     digest = digest_path(path)
     if not digest.exists():
         raise ValueError(f"checksum missing: no {digest} (its write never finished)")
-    if digest.read_text().strip() != sha256_file(path):
+    if digest.read_text().strip() != file_hash(path):
         raise ValueError(f"checksum mismatch with {digest} (truncated or corrupted)")
 
 

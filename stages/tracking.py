@@ -12,7 +12,6 @@ warns once and goes on with a no-op tracker; the DVC outputs are written all the
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import MlflowConfig, repo_root, timed
-from stages.files import write_json
+from stages.files import file_hash, write_json
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -131,14 +130,12 @@ def lock_hash() -> str | None:
     lock = Path("requirements.lock")
     if not lock.exists():
         return None
-    with open(lock, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    return file_hash(lock)[:16]
 
 
 def _md5(path: Path) -> str:
     """The hash DVC records for the file in dvc.lock: a run is found from `dvc exp show`."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "md5").hexdigest()
+    return file_hash(path, "md5")
 
 
 class Tracker:

@@ -72,8 +72,9 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     torch.manual_seed(params.seed)
     model = build_model(params.model, meta["channels"], len(meta["classes"]))
 
-    decisive = {k: v for k, v in flatten(params).items() if k.startswith(TRAINING_KEYS)
-                and k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
+    started = training_params(params)
+    decisive = {k: v for k, v in started.items()
+                if k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
     key = params_hash(decisive, meta["sha256"])
     ckpt_dir = repo_root() / params.train.checkpoint_dir / key
     if params.train.resume == "never" and rank == 0:
@@ -84,7 +85,6 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     if resume is None and rank == 0:
         tidy_other_runs(ckpt_dir, decisive)
         write_json(ckpt_dir / "params.json", decisive)
-    started = training_params(params)
     watch = ParamsWatch(Path("params.yaml"), started)
 
     tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
