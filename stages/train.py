@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import platform
-import shutil
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
 
 from stages import distributed, tracking
-from stages.checkpoints import latest_checkpoint
+from stages.checkpoints import (
+    CheckpointError,
+    check_checkpoint_root,
+    latest_checkpoint,
+    open_run_dir,
+    remove_run,
+    tidy_other_runs,
+)
 from stages.config import (
     PREPARED,
     STAGE_TIMES,
@@ -45,15 +48,12 @@ TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
 # history.csv: the per-epoch figures that compare across machines and reruns; the timings of
 # each epoch (samples_per_s, epoch_s, peak_mem_mb) go to MLflow only.
 HISTORY = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm"]
-# Unfinished runs of other params: the newest few are always kept (parallel queued experiments
-# write theirs every epoch); older ones go once untouched this long.
-KEEP_OTHER_RUNS = 3
-STALE_RUN_S = 7 * 24 * 3600
 
 
 def main() -> None:
     params = load_params()
     resolve_device(params.train.device)  # an unusable device fails now, not after the data loads
+    check_checkpoint_root(repo_root() / params.train.checkpoint_dir, repo_root(), params.data.root)
     nproc = distributed.requested_processes(params.train)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
@@ -76,15 +76,18 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     decisive = {k: v for k, v in started.items()
                 if k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
     key = params_hash(decisive, meta["sha256"])
-    ckpt_dir = repo_root() / params.train.checkpoint_dir / key
-    if params.train.resume == "never" and rank == 0:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    workspace = repo_root()
+    ckpt_dir = workspace / params.train.checkpoint_dir / key
+    if params.train.resume == "never" and rank == 0 and ckpt_dir.exists() \
+            and not remove_run(ckpt_dir, workspace):
+        raise CheckpointError(f"train.resume: never, but {ckpt_dir} holds files this workspace "
+                              "cannot prove it wrote; move or delete that folder yourself")
     if world > 1:
         torch.distributed.barrier()  # every rank reads the checkpoints rank 0 left in place
     resume = latest_checkpoint(ckpt_dir)
     if resume is None and rank == 0:
-        tidy_other_runs(ckpt_dir, decisive)
-        write_json(ckpt_dir / "params.json", decisive)
+        tidy_other_runs(ckpt_dir, workspace, decisive)
+        open_run_dir(ckpt_dir, workspace, decisive)
     watch = ParamsWatch(Path("params.yaml"), started)
 
     tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
@@ -136,7 +139,7 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             run.log_artifact(TRAIN_DIR / name, "train")
         tracking.link_model(run, TRAIN_DIR / "model.pt")
 
-    shutil.rmtree(ckpt_dir, ignore_errors=True)  # complete: model.pt holds the result
+    remove_run(ckpt_dir, workspace)  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
           f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
           f"{result.best_epoch}, {result.train_s:.1f}s")
@@ -187,35 +190,6 @@ class ParamsWatch:
             log(metrics, step, durable)
 
         return checked
-
-
-def _last_write(folder: Path) -> float:
-    return max((p.stat().st_mtime for p in folder.iterdir()), default=folder.stat().st_mtime)
-
-
-def tidy_other_runs(ckpt_dir: Path, decisive: dict) -> None:
-    """Changed params start afresh in their own folder (so parallel queued experiments never
-    mix). Unfinished runs of other params are kept to be resumed, the newest few always, older
-    ones until untouched for STALE_RUN_S; one note names the newest and what differs."""
-    if not ckpt_dir.parent.is_dir():
-        return
-    others = sorted((d for d in ckpt_dir.parent.iterdir() if d.is_dir() and d != ckpt_dir),
-                    key=_last_write, reverse=True)
-    stale = [d for d in others[KEEP_OTHER_RUNS:] if time.time() - _last_write(d) > STALE_RUN_S]
-    for d in stale:
-        shutil.rmtree(d, ignore_errors=True)
-    kept = [d for d in others if d not in stale and (d / "params.json").exists()
-            and any(d.glob("epoch-*.pt"))]
-    if stale:
-        print(f"note: removed {len(stale)} unfinished runs of other params untouched for "
-              f"{STALE_RUN_S // 86400} days from {ckpt_dir.parent}", file=sys.stderr)
-    if kept:
-        theirs = json.loads((kept[0] / "params.json").read_text())
-        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in decisive.items()
-                         if theirs.get(k) != v)
-        more = f" (and {len(kept) - 1} older)" if len(kept) > 1 else ""
-        print(f"note: starting afresh; an unfinished run with other params is kept in "
-              f"{kept[0]}{more} ({diff}). Restore those params to resume it.", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -702,29 +702,6 @@ def test_a_class_absent_from_the_test_split_is_named_and_left_out_of_macro_f1(di
     assert "1 classes have no test images (9)" in err
 
 
-def test_abandoned_checkpoint_folders_are_removed_and_noted_once(tmp_path, capsys):
-    from stages.train import KEEP_OTHER_RUNS, STALE_RUN_S, tidy_other_runs
-
-    root = tmp_path / ".checkpoints"
-    old = time.time() - STALE_RUN_S - 3600
-    folders = []
-    for i in range(KEEP_OTHER_RUNS + 4):
-        d = root / f"run{i}"
-        d.mkdir(parents=True)
-        (d / "params.json").write_text(json.dumps({"lr": 0.001 * (i + 1)}))
-        (d / "epoch-0001.pt").write_bytes(b"x")
-        when = time.time() - 60 * i if i < KEEP_OTHER_RUNS + 2 else old - i
-        for f in (*d.iterdir(), d):
-            os.utime(f, (when, when))
-        folders.append(d)
-    tidy_other_runs(root / "current", {"lr": 0.5})
-    err = capsys.readouterr().err.splitlines()
-    assert [d.exists() for d in folders] == [True] * (KEEP_OTHER_RUNS + 2) + [False] * 2
-    assert len(err) == 2 and "removed 2 unfinished runs" in err[0]
-    assert "run0" in err[1] and f"and {KEEP_OTHER_RUNS + 1} older" in err[1]
-    assert "lr: 0.001 -> 0.5" in err[1]
-
-
 def test_outputs_are_world_readable_also_safetensors(tmp_path):
     from safetensors.torch import save_file
 
