@@ -60,14 +60,35 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True,
     return p
 
 
+# What a user's experiments change in the workspace (`dvc exp run` applies its params, results
+# and lock there): tests take these as committed, so an experiment in progress never fails them.
+EXPERIMENT_STATE = ("params.yaml", "dvc.lock", "data/", "models/")
+
+
+def committed(path: str) -> bytes:
+    """A file of this repo as HEAD has it; the working copy outside a git checkout."""
+    shown = subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, capture_output=True)
+    return shown.stdout if shown.returncode == 0 else (ROOT / path).read_bytes()
+
+
+def copy_params(folder: Path) -> Path:
+    """The committed params.yaml into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_bytes(committed("params.yaml"))
+    return folder / "params.yaml"
+
+
 def copy_repo(dest: Path, params_edit: dict[str, str] | None = None) -> Path:
-    """The tracked files of this repo in a fresh git repository, as a clone would have them."""
+    """This repo in a fresh git repository, as a clone would have it: the code of the working
+    tree (tracked and new files), the params, lock and results as committed."""
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for f in files:
         if (ROOT / f).is_file() and not f.startswith("tests/"):
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
+            if f.startswith(EXPERIMENT_STATE):
+                (dest / f).write_bytes(committed(f))
     if params_edit:
         set_params(dest / "params.yaml", params_edit)
     run(["git", "init", "-q", "-b", "main"], dest)

@@ -15,12 +15,12 @@ from PIL import Image
 
 from stages.data import load_split
 from stages.images import decode_image
-from tests.conftest import ROOT, run, set_params
+from tests.conftest import ROOT, copy_params, run, set_params
 from tests.images import CLASSES, FORMATS, draw, make_folder, save
 
 
 def prepare(tmp_path, check=True, env_extra=None, **params):
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", params)
     env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
     return run([sys.executable, "-m", "stages.prepare"], tmp_path, env=env, check=check)

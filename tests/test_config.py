@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from stages.config import Params, ParamsError, flatten, load_params
-from tests.conftest import ROOT
+from tests.conftest import ROOT, committed, copy_params
 
 
 def write(tmp_path, text: str):
@@ -16,8 +16,8 @@ def write(tmp_path, text: str):
     return p
 
 
-def test_repo_params_load_and_cover_the_whole_schema():
-    params = load_params(ROOT / "params.yaml")
+def test_repo_params_load_and_cover_the_whole_schema(tmp_path):
+    params = load_params(copy_params(tmp_path))
     assert isinstance(params, Params)
     # Every schema key is spelled out in params.yaml, so users see (and `-S` can set) all of them.
     from omegaconf import OmegaConf
@@ -28,12 +28,12 @@ def test_repo_params_load_and_cover_the_whole_schema():
             out |= keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}"}
         return out
 
-    raw = OmegaConf.to_container(OmegaConf.load(ROOT / "params.yaml"))
+    raw = OmegaConf.to_container(OmegaConf.create(committed("params.yaml").decode()))
     assert keys(raw) == set(flatten(Params()))
 
 
-def test_top_level_keys_that_dvc_exp_run_S_needs():
-    params = load_params(ROOT / "params.yaml")
+def test_top_level_keys_that_dvc_exp_run_S_needs(tmp_path):
+    params = load_params(copy_params(tmp_path))
     for key in ("seed", "lr", "epochs", "batch_size"):
         assert key in flatten(params)
 
@@ -107,11 +107,11 @@ def test_each_registry_holds_exactly_the_choices_the_config_accepts(tmp_path):
         load_params(write(tmp_path, "model:\n  arch: vit\n"))
 
 
-def test_defaults_agree_in_the_schema_params_yaml_and_the_readme():
+def test_defaults_agree_in_the_schema_params_yaml_and_the_readme(tmp_path):
     """The schema's defaults are the shipped params.yaml and the README's default column."""
     import re
 
-    assert load_params(ROOT / "params.yaml") == Params()
+    assert load_params(copy_params(tmp_path)) == Params()
     rows = re.findall(r"^\| `([\w.]+)` \| ([^|]*) \|", (ROOT / "README.md").read_text(), re.M)
     documented = {key: default.strip() for key, default in rows}
     for key, value in flatten(Params()).items():

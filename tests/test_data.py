@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -12,11 +11,11 @@ import torch
 from stages.batches import augment, epoch_order
 from stages.data import SPLITS, load_split
 from stages.sources import stratified_split
-from tests.conftest import ROOT, run, set_params
+from tests.conftest import ROOT, copy_params, run, set_params
 
 
 def _prepare(tmp_path, **params):
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", params)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run([sys.executable, "-m", "stages.prepare"], tmp_path, env=env)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from stages.config import TrainConfig
 from stages.data import Split, save_prepared
 from stages.loop import train
-from tests.conftest import ROOT, env_with, run, set_params
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
 from tests.training import CPU_FP32, linear_model
 
 
@@ -55,7 +54,7 @@ def test_two_gloo_processes_train_the_stage_like_one(digits, tmp_path, mlflow_ur
     for nproc in (1, 2):
         w = tmp_path / f"n{nproc}"
         w.mkdir()
-        shutil.copy(ROOT / "params.yaml", w / "params.yaml")
+        copy_params(w)
         set_params(w / "params.yaml", {"epochs": "4", "train.nproc_per_node": str(nproc)})
         save_prepared(w / "data/prepared", *digits)
         p = run([sys.executable, "-m", "stages.train"], w,

@@ -22,7 +22,7 @@ from stages import files
 from stages.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint
 from stages.data import save_prepared
 from stages.loop import OutOfMemory
-from tests.conftest import ROOT, copy_repo, env_with, run, set_params
+from tests.conftest import ROOT, copy_params, copy_repo, env_with, run, set_params
 from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
 
 # ------------------------------------------------------------ 1, 2: broken checkpoint files
@@ -86,7 +86,7 @@ def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path, digits):
     marker = tmp_path / "pwned"
     work = tmp_path / "work"
     work.mkdir()
-    shutil.copy(ROOT / "params.yaml", work / "params.yaml")
+    copy_params(work)
     save_prepared(work / "data/prepared", *digits)
     (work / "models/train").mkdir(parents=True)
     with open(work / "models/train/model.pt", "wb") as f:
@@ -126,7 +126,7 @@ def files_sha(path) -> str:
     ({"data.source": "imagenet"}, "data.source='imagenet' is invalid"),
 ])
 def test_bad_params_fail_before_any_work(tmp_path, edit, expected):
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     if "lrr" in edit:
         with open(tmp_path / "params.yaml", "a") as f:
             f.write("lrr: 0.1\n")
@@ -188,7 +188,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous(digits, tmp_pat
 
 def workspace(path, digits, **params):
     path.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "params.yaml", path / "params.yaml")
+    copy_params(path)
     set_params(path / "params.yaml", {"epochs": "3", "model.width": "8", **params})
     save_prepared(path / "data/prepared", *digits)
     return path
@@ -563,7 +563,7 @@ def test_ctrl_c_in_train_is_one_line_and_the_run_killed(tmp_path, digits, mlflow
 def folder_workspace(w):
     """params.yaml for an image folder in w/raw, decoded by two worker processes."""
     w.mkdir()
-    shutil.copy(ROOT / "params.yaml", w / "params.yaml")
+    copy_params(w)
     set_params(w / "params.yaml", {"data.source": "folder", "data.root": "raw",
                                    "data.num_workers": "2"})
     return w
@@ -637,7 +637,7 @@ def test_values_that_would_fail_later_are_refused_before_the_data_loads(tmp_path
     if "cuda" in expected and torch.cuda.is_available() or \
             "MPS" in expected and torch.backends.mps.is_available():
         pytest.skip("the device exists here")
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", edit)
     # No data/prepared at all: the refusal must come first.
     p = run([sys.executable, "-m", "stages.train"], tmp_path,

@@ -14,7 +14,7 @@ from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
 from stages.optim import EMA, build_optimizer
 from stages.runtime import resolve_precision
-from tests.conftest import ROOT
+from tests.conftest import ROOT, copy_params
 from tests.test_cuda_path import InfGradOnce, sgd_step, uninitialized_memory_is_nan
 from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
 
@@ -105,12 +105,11 @@ def test_two_short_cuda_runs_give_bitwise_identical_weights(digits):
 
 def test_the_stage_under_torchrun_with_one_process_on_cuda(tmp_path, digits, mlflow_uri):
     import json
-    import shutil
 
     from stages.data import save_prepared
     from tests.conftest import env_with, run, set_params
 
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", {"epochs": "2"})
     save_prepared(tmp_path / "data/prepared", *digits)
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
@@ -122,12 +121,11 @@ def test_the_stage_under_torchrun_with_one_process_on_cuda(tmp_path, digits, mlf
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_3_two_nccl_processes_train_the_stage(tmp_path, digits, mlflow_uri):
     import json
-    import shutil
 
     from stages.data import save_prepared
     from tests.conftest import env_with, run, set_params
 
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", {"epochs": "3", "train.nproc_per_node": "2"})
     save_prepared(tmp_path / "data/prepared", *digits)
     run([sys.executable, "-m", "stages.train"], tmp_path,

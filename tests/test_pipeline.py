@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run, set_params
+from tests.conftest import VENV_BIN, committed, copy_repo, env_with, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -268,11 +268,11 @@ def test_a_fresh_clone_compares_against_main_without_a_remote(tmp_path):
     """main carries the metrics, history and confusion rows of a real run (`cache: false`),
     so comparisons show main's values with nothing fetched and nothing run."""
     clone = copy_repo(tmp_path / "clone")
-    committed = json.loads((ROOT / "models/eval/metrics.json").read_text())
+    shipped = json.loads(committed("models/eval/metrics.json"))
     env = env_with()
     diff = run(["dvc", "metrics", "diff", "main", "--all", "--json"], clone, env=env).stdout
     main_eval = {k: v["old"] for k, v in json.loads(diff)["models/eval/metrics.json"].items()}
-    assert main_eval == {k: committed[k] for k in main_eval} and set(main_eval) >= {"accuracy"}
+    assert main_eval == {k: shipped[k] for k in main_eval} and set(main_eval) >= {"accuracy"}
     shown = json.loads(run(["dvc", "exp", "show", "--json"], clone, env=env).stdout)
     main_row = next(r for r in shown if r["name"] == "main")
     assert not main_row.get("error") and main_row["data"]["metrics"]
@@ -280,6 +280,6 @@ def test_a_fresh_clone_compares_against_main_without_a_remote(tmp_path):
     assert "DVC failed to load" not in report.stdout + report.stderr
     table = exps_table(clone)
     main_row = next(ln.split() for ln in table if ln.split()[:1] == ["main"])
-    assert main_row[2] == f"{committed['accuracy']:.4f}".rstrip("0")
+    assert main_row[2] == f"{shipped['accuracy']:.4f}".rstrip("0")
     page = (clone / "dvc_plots/index.html").read_text()
     assert page.count('"rev": "main"') > 0 or page.count('"rev":"main"') > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from stages.data import save_prepared
-from tests.conftest import ROOT, env_with, run, set_params
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.slow
 def workspace(path, digits, mlflow_uri):
     splits, meta = digits
     path.mkdir()
-    shutil.copy(ROOT / "params.yaml", path / "params.yaml")
+    copy_params(path)
     # Small batches: many steps per epoch (over a second), so the kill lands inside an epoch.
     set_params(path / "params.yaml", {"epochs": "5", "batch_size": "4", "model.width": "16",
                                       "train.log_every": "5"})

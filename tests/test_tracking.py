@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import sys
 
 import mlflow
@@ -13,7 +12,7 @@ import pytest
 from stages import tracking
 from stages.config import MlflowConfig
 from stages.data import save_prepared
-from tests.conftest import ROOT, env_with, run, set_params
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
 
 HOSTILE = ["a,b", "c+d", "e (f)", "g h", "i/j", "k=l", "m'n", "o;p", "q*r", "s#t"]
 
@@ -45,7 +44,7 @@ def test_class_folders_named_with_any_character_are_evaluated_and_logged(tmp_pat
     """Train and evaluate for real on digits whose classes carry the characters MLflow refuses
     in metric names; the eval metrics land, per-class figures are one table."""
     splits, meta = digits
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", {"epochs": "1", "model.width": "8"})
     save_prepared(tmp_path / "data/prepared", splits, {**meta, "classes": HOSTILE})
     env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri)
