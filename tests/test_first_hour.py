@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import sys
 
+import pytest
+from PIL import Image
+
+from stages.data import load_split
 from tests.conftest import ROOT, committed, copy_repo, run, set_params
 
 
@@ -27,3 +33,23 @@ def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
                   str(tmp_path / "copy")], clone).stdout
     assert "lr: 0.01" not in copied and "epochs: 7" not in copied
     assert copied.encode() == committed("params.yaml")
+
+
+@pytest.mark.slow
+def test_the_way_back_to_main_works_where_main_was_never_built(tmp_path):
+    """README's way back, on a clone whose DVC cache never held main's models: only an
+    experiment with other params ran here."""
+    repo = copy_repo(tmp_path / "repo", {"epochs": "2", "model.width": "8"})
+    main_params = (repo / "params.yaml").read_text()
+    run(["dvc", "exp", "run", "-S", "lr=0.01"], repo)
+    assert "lr: 0.01" in (repo / "params.yaml").read_text()
+    way_back = re.search(r"```bash\n(git checkout -- params.yaml dvc.lock models && dvc repro)\n```",
+                         (ROOT / "README.md").read_text())[1]
+    p = run(["bash", "-c", way_back], repo)
+    assert "Running stage 'train'" in p.stdout  # retrained: nothing to restore it from
+    assert (repo / "params.yaml").read_text() == main_params
+    assert run(["dvc", "status"], repo).stdout.strip() == "Data and pipelines are up to date."
+    test = load_split(repo / "data/prepared", "test")
+    Image.fromarray(test.x[0, 0].numpy()).save(tmp_path / "digit.png")
+    p = run([sys.executable, "-m", "stages.predict", str(tmp_path / "digit.png"), "--json"], repo)
+    assert json.loads(p.stdout)["label"] in [str(d) for d in range(10)]
