@@ -39,7 +39,7 @@ def dvc_stages() -> dict:
 
 def test_every_stage_depends_on_exactly_the_code_it_runs():
     stages = dvc_stages()
-    assert list(stages) == ["prepare", "train", "evaluate", "export"]
+    assert list(stages) == ["params", "prepare", "train", "evaluate", "export"]
     for name, stage in stages.items():
         assert stage["cmd"] == f"python -m stages.{name}"
         deps = set(stage["deps"])

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from stages.config import HEAVY_IMPORTS
 from tests.conftest import VENV_BIN, committed, copy_repo, env_with, run, set_params
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,8 @@ def test_no_stage_imports_a_heavy_library_it_does_not_use(repo):
     records = [json.loads(line) for line in
                (repo / ".dvc/tmp/stage-timings.jsonl").read_text().splitlines()]
     imported = {r["stage"]: set(r["imported"]) for r in records}
-    assert list(imported) == ["prepare", "train", "evaluate", "export"]
+    assert list(imported) == ["params", "prepare", "train", "evaluate", "export"]
+    assert not set(HEAVY_IMPORTS) & imported["params"]
     # (mlflow brings scipy; torch.optim brings torch._dynamo, and with it Inductor's config, on
     # its first parameter group.)
     assert not {"mlflow", "matplotlib", "torch.onnx", "torch._dynamo"} & imported["prepare"]
@@ -183,6 +185,20 @@ def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
 def test_exp_run_rejects_unknown_key(repo):
     p = run(["dvc", "exp", "run", "-S", "no_such_key=1"], repo, env=env_with(), check=False)
     assert p.returncode != 0
+
+
+def test_a_typo_through_dvcs_own_hint_still_fails(repo):
+    """DVC refuses `-S lrr=0.01` and suggests `+lrr=0.01`, which adds a key no stage reads:
+    the params stage still checks it (issue 22's first-hour walk)."""
+    before = (repo / "params.yaml").read_text()
+    p = run(["dvc", "exp", "run", "-S", "lrr=0.01"], repo, env=env_with(), check=False)
+    assert p.returncode != 0 and "+lrr" in p.stdout + p.stderr
+    p = run(["dvc", "exp", "run", "-S", "+lrr=0.05"], repo, env=env_with(), check=False)
+    try:
+        assert p.returncode != 0 and "Ran experiment" not in p.stdout, p.stdout
+        assert "unknown key 'lrr'; did you mean 'lr'?" in p.stdout + p.stderr, p.stderr
+    finally:
+        (repo / "params.yaml").write_text(before)
 
 
 def test_plots_render_offline_in_a_real_browser(repo, tmp_path):
