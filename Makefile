@@ -61,9 +61,7 @@ test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
-	@echo "open $$($(PY) -m stages.tracking http://127.0.0.1:$(UI_PORT))"
-	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port $(UI_PORT) \
-		--allowed-hosts 127.0.0.1:$(UI_PORT),localhost:$(UI_PORT) --workers 1
+	@$(PY) -m stages.ui --port $(UI_PORT)
 
 # Headline metrics, lr, epochs and batch_size always; other params only where the rows differ;
 # no dependency hashes or timestamps. As CSV aligned by `column`: 4 decimals and 2 spaces between

@@ -443,8 +443,3 @@ def experiment_url(cfg: MlflowConfig, base: str) -> str:
     return (f"{base}/#/experiments/{exp.experiment_id}/runs"
             f"?viewStateShareKey={VIEW}&workflowType=machine_learning")
 
-
-if __name__ == "__main__":  # `python -m stages.tracking URL`: what `make ui` prints
-    from stages.config import load_params
-
-    print(experiment_url(load_params().mlflow, sys.argv[1]))

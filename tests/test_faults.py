@@ -294,22 +294,26 @@ def test_sigterm_marks_the_run_killed(tmp_path, digits, mlflow_uri):
 
 @pytest.mark.slow
 def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
+    """Also: its last line is the runs table's address, printed once the server answers, and
+    SIGTERM to make ends every server process."""
+    import psutil
+
     port = closed_port()
     proc = subprocess.Popen(["make", "-s", "ui", f"UI_PORT={port}"], cwd=ROOT, env=env_with(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, "mlflow ui did not start"
-                time.sleep(0.5)
-        import psutil
-
+        lines = []
+        for line in proc.stdout:  # make ends only when killed: the loop ends at the address
+            lines.append(line.rstrip())
+            if line.startswith(f"http://127.0.0.1:{port}"):
+                break
+        assert lines and lines[-1].startswith(f"http://127.0.0.1:{port}/#/experiments/"
+                                              ) or "no experiment" in lines[-1], lines
+        assert "workflowType=machine_learning" in lines[-1] or "no experiment" in lines[-1]
+        assert not any("Warning" in line for line in lines), lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            assert r.status == 200  # already answering when the address was printed
         bound = {c.laddr.ip for c in psutil.net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
         assert bound == {"127.0.0.1"}
@@ -323,6 +327,14 @@ def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+              for c in psutil.net_connections("tcp")):
+        assert time.time() < deadline, "the UI server outlived make ui"
+        time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(port) in " ".join(p.info["cmdline"] or []) and "mlflow" in
+                " ".join(p.info["cmdline"] or [])]
 
 
 # ------------------------------------------------------------ 13: hostile and damaged model files
