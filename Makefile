@@ -65,15 +65,18 @@ ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to c
 
 # Headline metrics, lr, epochs and batch_size always; other params only where the rows differ;
 # no dependency hashes or timestamps. As CSV aligned by `column`: 4 decimals and 2 spaces between
-# columns fit 120 where dvc's own table does not; awk names the workspace and main rows (their
-# Experiment cell is empty) from the rev column and drops it. `dvc exp show` shows everything.
+# columns fit 120 where dvc's own table does not. awk names the test split's metrics test_acc,
+# test_loss, test_f1 (beside best_val_acc from validation), names the workspace and main rows
+# (their Experiment cell is empty) from the rev column and drops it. `dvc exp show` has it all.
 EXPS_KEEP := ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size)$$
-EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|best_val_loss|best_epoch|epochs_run|num_params|^n$$
+EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|params\.yaml|best_val_loss|best_epoch|epochs_run|num_params|^n$$
 EXPS_REVS ?=  # e.g. --rev origin/main --rev HEAD: experiments of those commits (default HEAD's)
 exps: setup ## experiments side by side, 120 columns: lr, epochs, batch_size, headline metrics
 	@dvc exp show --csv --only-changed --precision 4 $(EXPS_REVS) \
 		--keep '$(EXPS_KEEP)' --drop '$(EXPS_DROP)' \
-		| awk -F, -v OFS=, '{ $$2 = ($$1 == "" ? $$2 : $$1); $$1 = ""; sub(/^,/, ""); print }' \
+		| awk -F, -v OFS=, 'BEGIN { test["accuracy"] = "test_acc"; test["loss"] = "test_loss"; \
+			test["macro_f1"] = "test_f1" } NR == 1 { for (i = 1; i <= NF; i++) if ($$i in test) $$i = test[$$i] } \
+			{ $$2 = ($$1 == "" ? $$2 : $$1); $$1 = ""; sub(/^,/, ""); print }' \
 		| { command -v column > /dev/null && column -t -s, || cat; }
 
 lint: setup ## ruff

@@ -262,7 +262,7 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
 
     table = exps_table(repo)
     assert max(map(len, table)) <= 120, "\n".join(table)
-    assert table[0].split() == ["Experiment", "best_val_acc", "accuracy", "loss", "macro_f1", "lr",
+    assert table[0].split() == ["Experiment", "best_val_acc", "test_acc", "test_loss", "test_f1", "lr",
                                 "epochs", "batch_size", "train.nproc_per_node", "eval.batch_size"]
     rows = {line.split()[0]: line.split() for line in table[1:]}
     assert {"workspace", "main", *names} <= set(rows)
