@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -121,8 +122,34 @@ def exp_name() -> str | None:
 
 
 def run_name() -> str:
-    """The MLflow run is named after the DVC experiment, so `dvc exp show` and the UI agree."""
-    return exp_name() or f"workspace@{git_commit()[:7] or 'nogit'}"
+    """The MLflow run is named after the DVC experiment, so `dvc exp show` and the UI agree.
+    A `dvc repro` in the workspace has no such name: its run is named after the commit, the
+    params that differ from the commit's and the time, so that five reruns with other lr and
+    epochs read as five runs: `workspace@967714c lr=0.01 epochs=5 00:31:07`."""
+    if exp_name():
+        return exp_name()
+    commit = git_commit()[:7] or "nogit"
+    return " ".join([f"workspace@{commit}", *params_changed(), time.strftime("%H:%M:%S")])
+
+
+def params_changed(path: str = "params.yaml") -> list[str]:
+    """`key=value` for each value of params.yaml that differs from the commit's."""
+    from omegaconf import OmegaConf
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+        return out
+
+    try:
+        shown = subprocess.run(["git", "show", f"HEAD:{path}"], capture_output=True, text=True,
+                               timeout=10, check=True).stdout
+        before = flat(OmegaConf.to_container(OmegaConf.create(shown)) or {})
+        now = flat(OmegaConf.to_container(OmegaConf.load(path)) or {})
+    except Exception:  # noqa: BLE001 - no git, no commit, unreadable: the name is only a label
+        return []
+    return [f"{k}={v}" for k, v in now.items() if before.get(k, object()) != v]
 
 
 def lock_hash() -> str | None:

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from stages.data import load_split
-from tests.conftest import ROOT, committed, copy_repo, run, set_params
+from tests.conftest import ROOT, committed, copy_params, copy_repo, run, set_params
 
 
 def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
@@ -53,3 +53,26 @@ def test_the_way_back_to_main_works_where_main_was_never_built(tmp_path):
     Image.fromarray(test.x[0, 0].numpy()).save(tmp_path / "digit.png")
     p = run([sys.executable, "-m", "stages.predict", str(tmp_path / "digit.png"), "--json"], repo)
     assert json.loads(p.stdout)["label"] in [str(d) for d in range(10)]
+
+
+def test_workspace_runs_are_named_apart(tmp_path, monkeypatch):
+    """Five `dvc repro` runs with other lr and epochs were all `workspace@967714c`."""
+    from stages.tracking import run_name
+
+    copy_params(tmp_path)
+    run(["git", "init", "-q"], tmp_path)
+    run(["git", "add", "params.yaml"], tmp_path)
+    run(["git", "commit", "-qm", "params"], tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    names = []
+    for edit in ({}, {"lr": "0.01"}, {"lr": "0.01", "epochs": "5"}, {"train.warmup_epochs": "2"}):
+        copy_params(tmp_path)
+        set_params(tmp_path / "params.yaml", edit)
+        names.append(run_name())
+    commit = run(["git", "rev-parse", "--short=7", "HEAD"], tmp_path).stdout.strip()
+    assert all(n.startswith(f"workspace@{commit} ") for n in names), names
+    assert " lr=0.01 epochs=5 " in names[2] and " train.warmup_epochs=2 " in names[3]
+    assert len(set(n.rsplit(" ", 1)[0] for n in names)) == 4  # apart even within one second
+    monkeypatch.setenv("DVC_EXP_NAME", "lated-dita")
+    assert run_name() == "lated-dita"
