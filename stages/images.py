@@ -29,6 +29,41 @@ def is_hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
+def shown(path: str | Path) -> str:
+    """A file name as one quoted line whatever its bytes: those outside printable ASCII as
+    \\xNN, as `ls -b` shows them."""
+    return repr(os.fsencode(path))[1:]
+
+
+def check_tree(root: Path) -> None:
+    """Refuse, naming them, the entries below `root` that DVC cannot hash, before prepare reads
+    what DVC would not see. DVC (3.67) fails on a name that is not UTF-8 without naming it, and
+    skips every symlinked folder (it follows symlinked files): images in one would never rerun
+    prepare when they change. Hidden folders prepare skips as well."""
+    not_utf8, linked = [], []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:  # the bytes Python keeps as surrogates
+                not_utf8.append(path)
+            if name in dirs and os.path.islink(path) and not is_hidden(Path(path), root):
+                linked.append(path)
+    if not_utf8:
+        more = f" and {len(not_utf8) - 5} more" if len(not_utf8) > 5 else ""
+        raise DataError(f"{', '.join(map(shown, not_utf8[:5]))}{more}: names that are not UTF-8, "
+                        "which DVC cannot hash (`dvc add` and `dvc repro` fail with \"'utf-8' "
+                        "codec can't encode character\", naming no file); rename them to UTF-8, "
+                        f"e.g. `convmv -r -f latin1 -t utf-8 --notest {root}` if they are Latin-1")
+    if linked:
+        more = f" (and {len(linked) - 1} more)" if len(linked) > 1 else ""
+        raise DataError(f"{shown(linked[0])} is a symlink to a folder (to {shown(os.readlink(linked[0]))})"
+                        f"{more}: DVC does not hash linked folders, so changed or new images there "
+                        f"would never rerun prepare; copy or move the folder into {root} (or "
+                        "`dvc import` it), or point data.root at the real folder")
+
+
 def image_files(folder: Path) -> list[Path]:
     """Image files below `folder`, sorted, skipping hidden files and folders."""
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS

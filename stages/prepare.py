@@ -1,21 +1,37 @@
 """Stage prepare: the data source in params.data -> data/prepared/ (uint8 splits + meta.json).
 
-The sources (`data.source`) are the registry in stages/sources.py.
+The sources (`data.source`) are the registry in stages/sources.py. `--check [FOLDER]` only checks
+an image folder's names and layout, before `dvc add` or `dvc repro` hash it (and fail or skip).
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from stages.config import PREPARED, load_params, run_stage
+from stages.config import PREPARED, ArgumentParser, load_params, run_stage
 from stages.data import save_prepared
 from stages.files import write_csv
-from stages.sources import SOURCES, build_meta
+from stages.sources import SOURCES, build_meta, list_folder
 
 
 def main() -> None:
+    ap = ArgumentParser(prog="python -m stages.prepare", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", nargs="?", const="", metavar="FOLDER",
+                    help="check the names and layout of an image folder (default: data.root) "
+                         "before `dvc add` or `dvc repro` hash it; reads no image, writes nothing")
+    args = ap.parse_args()
     params = load_params()
     cfg = params.data
+    if args.check is not None:
+        if not args.check and cfg.source != "folder":
+            print(f"data.source={cfg.source}: nothing to check (only a folder source is)")
+            return
+        root = args.check or cfg.root
+        classes, files = list_folder(Path(root))
+        print(f"{root}: {len(classes)} classes, {sum(map(len, files.values()))} image files; "
+              "names and layout are fine")
+        return
     loaded = SOURCES[cfg.source](cfg, params.seed, PREPARED)
 
     meta = build_meta(loaded.splits, loaded.classes, cfg)

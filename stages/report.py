@@ -62,6 +62,18 @@ def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str])
               ((classes[a], classes[b]) for a, b in zip(y.tolist(), pred.tolist(), strict=True)))
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # Class names are text, never markup: `$`, `$$`, `$_$` (price tiers) would otherwise go to
+    # the math parser, which draws them wrong or raises.
+    matplotlib.rcParams["text.parse_math"] = False
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save_figure(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -70,10 +82,7 @@ def _save_figure(fig, path: Path) -> None:
 
 
 def plot_confusion(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     k = len(classes)
     m = np.zeros((k, k), dtype=int)
@@ -93,10 +102,7 @@ def plot_confusion(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> N
 def plot_misclassified(path: Path, x: Tensor, y: Tensor, pred: Tensor, classes: list[str],
                        limit: int) -> None:
     """A grid of wrongly classified test images, titled actual -> predicted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     wrong = torch.nonzero(pred != y).flatten()[:limit].tolist()
     cols = max(1, min(6, len(wrong)))

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from stages.config import DataConfig
 from stages.data import SPLITS, Split, digits_file
-from stages.images import IMAGE_EXTS, DataError, decode_many, image_files
+from stages.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
 
 
 @dataclass
@@ -130,18 +130,31 @@ def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[st
 
 def list_folder(root: Path) -> tuple[list[str], dict[str | None, list[tuple[Path, int]]]]:
     """Class names (sorted sub-folder names) and (file, label) per given split: `None` when
-    `root` holds class folders directly, "train"/"val"/"test" when it has those sub-folders."""
+    `root` holds class folders directly, "train"/"val"/"test" when it has those sub-folders.
+    The folders in `root` are either all split names or all class names: a class named `test`
+    beside others would otherwise be taken for the test split."""
     if not root.is_dir():
         raise DataError(f"data.root={str(root)!r} is not a folder; put one sub-folder of images "
                         "per class there (data/raw/<name>/<class>/*.png)")
-    given = {s: root / s for s in SPLITS if (root / s).is_dir()}
+    check_tree(root)
+    folders = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    given = {s: root / s for s in SPLITS if s in folders}
+    if given and folders - set(SPLITS):
+        raise DataError(f"{root}: holds split folders ({', '.join(given)}) beside other folders "
+                        f"({', '.join(sorted(folders - set(SPLITS)))}); the folders in data.root "
+                        "are either all splits (train/, val/, test/, each holding class folders) "
+                        "or all classes: rename a class named " + " or ".join(given)
+                        + f", or move the classes into {root / 'train'}/")
     if given and "train" not in given:
-        raise DataError(f"{root}: has {', '.join(given)}/ but no train/ folder")
+        raise DataError(f"{root}: has {', '.join(s + '/' for s in given)} but no train/ folder; "
+                        "split folders need train/ (a missing val/ or test/ is carved out of it)")
     top = given.get("train", root)
     classes = sorted(d.name for d in top.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not classes:
+        named = (f"; if {', '.join(given)} are class names, rename them: in data.root they name "
+                 "splits") if given else ""
         raise DataError(f"{top}: no class folders; expected {top}/<class>/<image> "
-                        f"({', '.join(sorted(IMAGE_EXTS))})")
+                        f"({', '.join(sorted(IMAGE_EXTS))}){named}")
     if len(classes) == 1:
         raise DataError(f"{top}: only one class folder ({classes[0]!r}); a classifier needs two or more")
     files: dict[str | None, list[tuple[Path, int]]] = {}

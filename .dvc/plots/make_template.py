@@ -12,7 +12,7 @@ import vl_convert
 # `var spec` of the plot scripts DVC writes. Vega-Lite 5: the major version of the specs DVC writes ($schema .../vega-lite/v5.json).
 VEGA_LITE = "5.21"
 
-PAGE = """<!DOCTYPE html>
+PAGE = r"""<!DOCTYPE html>
 <html>
 <head>
     {refresh_tag}
@@ -30,9 +30,25 @@ PAGE = """<!DOCTYPE html>
 </head>
 <body>
     <noscript>The plots need JavaScript.</noscript>
-    {plot_divs}
-</body>
-</html>
+    <div id="plots"></div>
+    <script>
+        // DVC pastes each chart's data as it is into a script element on this page: a class
+        // name holding a script end tag, or a comment opener before a script tag, would end or
+        // swallow the scripts, and charts vanish. So DVC's charts land in the plaintext element
+        // below, which no text can end, and are drawn from their JSON here: every label stays
+        // data for Vega, never markup for the page. (Hence no such tags in this script either.)
+        // DVC writes a chart as `var spec = <its JSON, one line>; vegaEmbed('#<id>', spec);`.
+        const chart = /<script type = "text\/javascript">\s*var spec = (.*);\s*vegaEmbed\(.*\s*<\/script>/g;
+        document.addEventListener("DOMContentLoaded", () => {
+            const specs = [];
+            const html = document.getElementById("dvc-plots").textContent.replace(chart, (_, spec) =>
+                `<div class="vega-chart" data-i="${specs.push(JSON.parse(spec)) - 1}"></div>`);
+            const plots = document.getElementById("plots");
+            plots.innerHTML = html;  // DVC's layout and images, with no data in it any more
+            for (const el of plots.querySelectorAll(".vega-chart")) vegaEmbed(el, specs[el.dataset.i]);
+        });
+    </script>
+    <plaintext id="dvc-plots" hidden>{plot_divs}
 """
 
 bundle = vl_convert.javascript_bundle(vl_version=VEGA_LITE)
