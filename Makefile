@@ -5,6 +5,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
@@ -16,11 +17,24 @@ help: ## list the targets
 
 # --no-deps: nothing but the lock, every file checked against its hashes. The project itself is
 # not installed: stages run from the checkout (`python -m stages.x`).
+# The interpreter that makes .venv, found on the PATH before .venv's bin (PYTHON=python3.12 picks
+# another). A .venv without the stamp is made again unless its python is >= 3.11: a wrong
+# Python's .venv (its pip fails on the lock) is never reused.
+PYTHON ?= python3
+version = $$(PATH='$(USER_PATH)' $(1) --version 2>&1 | awk '/^Python /{print $$2}' || true)
 $(STAMP): requirements.lock
-	test -x $(PY) || python3 -m venv $(VENV)
-	@echo "installing requirements.lock into $(VENV) (first time: a few minutes)"
-	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock 2>&1 \
-		| { grep -v '^WARNING: Location' || true; }
+	@v=$(call version,$(PYTHON)); printf '3.11\n%s\n' "$$v" | sort -VC || { echo "error: Python \
+	>= 3.11 needed, but $(PYTHON) is $${v:-not found} ($$(PATH='$(USER_PATH)'; command -v $(PYTHON) \
+	|| echo not on PATH)); pick another: make PYTHON=python3.11" >&2; exit 1; }
+	@v=$(call version,$(PY)); printf '3.11\n%s\n' "$$v" | sort -VC \
+		|| PATH='$(USER_PATH)' $(PYTHON) -m venv --clear $(VENV)
+	@echo "installing requirements.lock into $(VENV): 6.5 GB, about 6 minutes the first time" \
+		"(torch's CUDA libraries; README: The two commands)"
+	@# One line per package as pip takes it, numbered, then pip's own summary: never silent.
+	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
+		| { awk -v total=$$(grep -c '^[a-zA-Z0-9].*==' requirements.lock) \
+			'/^(Collecting|Processing) / { sub(/ \(from -r .*/, ""); printf "[%d/%d] %s\n", ++n, total, $$0; fflush(); next } \
+			/^(Installing|Successfully|ERROR)/ { print; fflush() }' || true; }
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
@@ -41,12 +55,7 @@ repro: setup ## run the whole pipeline: prepare, train, evaluate, export
 verify: setup ## rerun every stage from scratch; fail unless each output is byte-identical to dvc.lock
 	@mkdir -p .dvc/tmp && cp dvc.lock .dvc/tmp/dvc.lock.before-verify
 	dvc repro -f
-	@if cmp -s .dvc/tmp/dvc.lock.before-verify dvc.lock; then \
-		echo "verified: every output is byte-identical to what dvc.lock recorded"; \
-	else \
-		echo "NOT reproduced: these hashes changed (old lock: .dvc/tmp/dvc.lock.before-verify)"; \
-		diff .dvc/tmp/dvc.lock.before-verify dvc.lock || true; exit 1; \
-	fi
+	@$(PY) -m stages.verify .dvc/tmp/dvc.lock.before-verify
 
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
 	$(PY) -m stages.share

@@ -11,8 +11,8 @@ import argparse
 import atexit
 import dataclasses
 import difflib
-import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -92,9 +92,11 @@ def run_stage(main: Callable[[], None]) -> None:
               file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except OSError as e:
-        if e.errno != errno.ENOSPC:
+        from stages.files import WRITE_ERRORS
+
+        if e.errno not in WRITE_ERRORS:
             raise
-        sys.exit(f"error: {e.strerror}")
+        sys.exit(f"error: {e.strerror}" + (f": {e.filename}" if e.filename else ""))
     if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
         record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
                   "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
@@ -191,7 +193,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("model.arch", self.arch, ARCHS)
-        _require(self.width >= 1, "model.width", self.width, "must be >= 1")
+        # 1024 is a 140M-parameter cnn: far past what 8-64 px images need, and a bound on what a
+        # checkpoint or model.json that names a width can make predict, evaluate or export allocate.
+        _require(1 <= self.width <= 1024, "model.width", self.width, "must be 1..1024")
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
 
 
@@ -279,6 +283,9 @@ class EvalConfig:
                  "must be >= 0")
 
 
+MAX_EXPORT_BATCH = 65536  # the exported programs' largest batch (stages/export.py)
+
+
 @dataclass
 class ExportConfig:
     opset: int = 18
@@ -290,10 +297,14 @@ class ExportConfig:
     def __post_init__(self) -> None:
         _require(self.log_model or not self.register_as, "export.register_as", self.register_as,
                  "registering needs export.log_model: true")
-        _require(self.opset >= 17, "export.opset", self.opset, "must be >= 17")
+        # torch.onnx writes opset 18 and newer; asked for 17 it tries onnx's converter, which
+        # fails on this project's models and leaves 18 in the file.
+        _require(self.opset >= 18, "export.opset", self.opset,
+                 "must be >= 18, the oldest opset torch.onnx writes")
         _require(len(self.check_batch_sizes) >= 2 and len(set(self.check_batch_sizes)) >= 2
-                 and all(b >= 1 for b in self.check_batch_sizes), "export.check_batch_sizes",
-                 self.check_batch_sizes, "give at least two different batch sizes >= 1")
+                 and all(1 <= b <= MAX_EXPORT_BATCH for b in self.check_batch_sizes),
+                 "export.check_batch_sizes", self.check_batch_sizes,
+                 f"give at least two different batch sizes from 1 to {MAX_EXPORT_BATCH}")
         _require(self.atol > 0, "export.atol", self.atol, "must be > 0")
 
 
@@ -321,10 +332,15 @@ class Params:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
     def __post_init__(self) -> None:
-        _require(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        # numpy and scikit-learn take seeds below 2**32 only (torch's limit is higher).
+        _require(0 <= self.seed < 2**32, "seed", self.seed, "must be in 0..4294967295 (2**32 - 1)")
         _require(self.lr > 0, "lr", self.lr, "must be > 0 (try 3e-3 for adamw, 0.1 for sgd)")
         _require(self.epochs >= 1, "epochs", self.epochs, "must be >= 1")
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+        # batch_size is the global batch: each of N processes takes batch_size / N (batches.py).
+        _require(self.train.nproc_per_node == "auto" or self.batch_size % self.train.nproc_per_node == 0,
+                 "batch_size", self.batch_size, f"must be a multiple of train.nproc_per_node="
+                 f"{self.train.nproc_per_node}: each process takes an equal share of the global batch")
 
 
 def _accepts(tp: Any, value: Any) -> bool:
@@ -379,32 +395,90 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of keys to values")
     try:
+        _refuse_interpolation(raw, path)
         _check(raw, Params)
         merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
         return OmegaConf.to_object(merged)  # runs every __post_init__ range check
     except ParamsError as e:
         # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
-        # every later `dvc repro` would fail on it too.
+        # every later `dvc repro` would fail on it too. Plain `git checkout params.yaml` can
+        # restore nothing: DVC may leave git's index holding the new file's size and times with
+        # the old content, so git sees the file unchanged. Dropping the entry first makes git
+        # write the committed file whatever the index says.
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
-            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}: "
-                              f"`git checkout {path}` restores the committed values, then "
-                              "`dvc repro` the outputs DVC removed (from its run-cache)") from None
+            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}: run "
+                              f"`git rm -q --cached {path} && git checkout HEAD -- {path}` to restore "
+                              "the committed values, then `dvc repro` the outputs DVC removed (from "
+                              "its run-cache)") from None
         raise
 
 
+# A params.yaml holds about a hundred values in under 2 KB: these bounds are far above any real
+# one and stop a file that would make every stage read gigabytes ("billion laughs" aliases).
+MAX_YAML_BYTES = 64 * 1024
+MAX_YAML_NODES = 10_000
+
+
 def _read_yaml(path: Path) -> Any:
-    """The YAML as plain containers; a syntax error or a duplicate key names the line."""
+    """The YAML as plain containers, uninterpolated; a syntax error or a duplicate key names
+    the line."""
     import yaml
     from omegaconf.errors import OmegaConfBaseException
 
+    with open(path, "rb") as f:
+        text = f.read(MAX_YAML_BYTES + 1)  # at most this: the path may be a huge file or a pipe
+    if len(text) > MAX_YAML_BYTES:
+        raise ParamsError(f"{path}: larger than {MAX_YAML_BYTES // 1024} KiB, far more than any "
+                          f"params file; restore it (`git diff {path}` shows your edits)")
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+        # Aliases share one node when composed, so the expanded size is counted before
+        # OmegaConf copies every one of them.
+        if _expanded_nodes(yaml.compose(text, Loader=yaml.SafeLoader), {}) > MAX_YAML_NODES:
+            raise ParamsError(f"{path}: expands to over {MAX_YAML_NODES} values through YAML "
+                              "aliases (*name); write the values out instead of nesting aliases")
+        return OmegaConf.to_container(OmegaConf.load(io.BytesIO(text)), resolve=False) or {}
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         where = getattr(e, "problem_mark", None)
         line = f"line {where.line + 1}: " if where else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ParamsError(f"{path}: {line}{what}; fix the YAML (`git diff {path}` shows your "
                           "edits)") from None
+    except RecursionError:
+        raise ParamsError(f"{path}: nested too deeply (or an alias inside itself); fix the YAML "
+                          f"(`git diff {path}` shows your edits)") from None
+
+
+def _expanded_nodes(node: Any, seen: dict[int, int]) -> int:
+    """How many nodes the document has once every alias is copied out, counting each shared
+    node once (`seen`: its count, -1 while inside it: an alias of itself recurses)."""
+    import yaml
+
+    if seen.get(id(node)) == -1:
+        raise RecursionError
+    if id(node) not in seen:
+        seen[id(node)] = -1
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
+        seen[id(node)] = 1 + sum(_expanded_nodes(c, seen) for c in children)
+    return seen[id(node)]
+
+
+def _refuse_interpolation(value: Any, path: Path, key: str = "") -> None:
+    """DVC hashes params.yaml's text, so a `${...}` (an environment variable, another key, a
+    resolver) or OmegaConf's missing-value `???` (which becomes the default) would let the
+    stages use a value DVC never recorded."""
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        name = f"{key}[{k}]" if isinstance(value, list) else f"{key}.{k}" if key else str(k)
+        _refuse_interpolation(v, path, name)
+    if value == "???":
+        raise ParamsError(f"{path}: {key}='???' means a missing value to OmegaConf, which would "
+                          "use the default that DVC never recorded; write the value itself")
+    if isinstance(value, str) and "${" in value:
+        raise ParamsError(f"{path}: {key}={value!r}: interpolation (${{...}}) is not allowed, since "
+                          "DVC would record the text, not the value the stages use; write the "
+                          "value itself")
 
 
 def flatten(params: Params) -> dict[str, Any]:

@@ -8,13 +8,31 @@ import sys
 
 import torch
 
-from stages.config import TrainConfig
+from stages.config import ParamsError, TrainConfig
 
 
-def requested_processes(cfg: TrainConfig) -> int:
-    if cfg.nproc_per_node == "auto":
-        return max(1, torch.cuda.device_count())
-    return int(cfg.nproc_per_node)
+def requested_processes(cfg: TrainConfig, batch_size: int) -> int:
+    """train.nproc_per_node as a number, checked against this machine's GPUs: before any
+    process starts, not as one traceback per rank."""
+    n = max(1, torch.cuda.device_count()) if cfg.nproc_per_node == "auto" else int(cfg.nproc_per_node)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and cfg.device != "cpu" else 0
+    # Each process needs a core of its own for its Python loop, on a GPU too: more only queue
+    # for the CPU (1000 would start 1000 processes). Checked here, not in the schema: a
+    # params.yaml for a 16-core GPU box stays valid on a laptop that only evaluates.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if n > cores:
+        raise ParamsError(f"params.yaml: train.nproc_per_node={cfg.nproc_per_node!r} is invalid: "
+                          f"this machine has {cores} CPU cores for this process: use at most "
+                          "that many processes")
+    if gpus and n > gpus:  # process i trains on GPU i (init)
+        raise ParamsError(f"params.yaml: train.nproc_per_node={cfg.nproc_per_node!r} is invalid: "
+                          f"each process takes a GPU of its own and {gpus} are visible; use at most "
+                          f"{gpus}, or auto, or train.device: cpu")
+    if batch_size % n:  # an integer nproc_per_node is checked with the params; auto only here
+        raise ParamsError(f"params.yaml: batch_size={batch_size} is invalid: must be a multiple of "
+                          f"the {n} processes of train.nproc_per_node={cfg.nproc_per_node!r}: each "
+                          "takes an equal share of the global batch")
+    return n
 
 
 def relaunch_under_torchrun(nproc: int, module: str) -> None:

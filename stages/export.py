@@ -6,6 +6,7 @@ Each format is checked against eager PyTorch on real test images at two batch si
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -13,39 +14,68 @@ import numpy as np
 import torch
 
 from stages import tracking
-from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, flatten, load_params, run_stage
+from stages.config import (
+    EVAL_DIR,
+    EXPORT_DIR,
+    MAX_EXPORT_BATCH,
+    PREPARED,
+    TRAIN_DIR,
+    ParamsError,
+    UserError,
+    flatten,
+    load_params,
+    run_stage,
+)
 from stages.data import load_meta, load_split, normalize
-from stages.files import atomic_write, write_json
+from stages.files import atomic_write, atomic_write_all
 from stages.models import load_trained
 
 
 def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
     """One torch.export feeds both the .pt2 and ONNX. Without the nodes' stack traces: they hold
     absolute paths of this checkout and venv, so another clone would write other bytes."""
-    batch = torch.export.Dim("batch", min=1, max=65536)
+    batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     for node in program.graph.nodes:
         node.meta.pop("stack_trace", None)
     return program
 
 
-def export_onnx(program: torch.export.ExportedProgram, path: Path, opset: int) -> None:
+def onnx_bytes(program: torch.export.ExportedProgram, opset: int) -> bytes:
+    """The ONNX file, checked to be the opset asked for: where torch.onnx cannot convert to it,
+    it logs the failure and keeps its own opset."""
     import onnx
 
-    onnx_program = torch.onnx.export(program, dynamo=True, opset_version=opset,
-                                     input_names=["image"], output_names=["logits"], verbose=False)
-    atomic_write(path, lambda p: onnx.save(onnx_program.model_proto, str(p)))
-    onnx.checker.check_model(str(path), full_check=True)
+    if opset > onnx.defs.onnx_opset_version():
+        raise ParamsError(f"params.yaml: export.opset={opset} is invalid: onnx "
+                          f"{onnx.__version__} knows opsets up to {onnx.defs.onnx_opset_version()}")
+    proto = torch.onnx.export(program, dynamo=True, opset_version=opset, input_names=["image"],
+                              output_names=["logits"], verbose=False).model_proto
+    written = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    if written != opset:
+        raise ParamsError(f"params.yaml: export.opset={opset} is invalid: torch.onnx could not "
+                          f"convert this model to it (it wrote opset {written}); use {written}")
+    onnx.checker.check_model(proto, full_check=True)
+    return proto.SerializeToString()
+
+
+def pt2_bytes(program: torch.export.ExportedProgram) -> bytes:
+    # In memory: torch's zip writer aborts the process (a C++ throw in a destructor) when a
+    # write to a file fails, on a full disk say; a failed write of these bytes is an OSError.
+    # Through a file object: given a path, the archive's inner folder is named after the file.
+    buf = io.BytesIO()
+    torch.export.save(program, buf)
+    return buf.getvalue()
+
+
+def export_onnx(program: torch.export.ExportedProgram, path: Path, opset: int) -> None:
+    data = onnx_bytes(program, opset)
+    atomic_write(path, lambda p: p.write_bytes(data))
 
 
 def export_pt2(program: torch.export.ExportedProgram, path: Path) -> None:
-    def write(p: Path) -> None:
-        # Through a file object: given a path, the archive's inner folder is named after the
-        # (random) temp file, and the same program would never give the same bytes.
-        with open(p, "wb") as f:
-            torch.export.save(program, f)
-
-    atomic_write(path, write)
+    data = pt2_bytes(program)
+    atomic_write(path, lambda p: p.write_bytes(data))
 
 
 def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
@@ -54,15 +84,13 @@ def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
     out = {}
     for bs in batch_sizes:
         x = images[:bs]
-        if len(x) < bs:
-            raise ValueError(f"export.check_batch_sizes: {bs} exceeds the {len(images)} test images")
         with torch.no_grad():
             want = model(x).numpy()
         got = np.asarray(run(x))
         diff = float(np.abs(got - want).max())
         if got.shape != want.shape or diff > atol or (got.argmax(1) != want.argmax(1)).any():
-            raise RuntimeError(f"{name} disagrees with eager PyTorch at batch {bs}: max abs diff "
-                               f"{diff:.2e} (export.atol {atol}), shape {got.shape}")
+            raise UserError(f"{name} disagrees with eager PyTorch at batch {bs}: max abs diff "
+                            f"{diff:.2e} (export.atol {atol}), shape {got.shape}")
         out[f"{name}_max_abs_diff_b{bs}"] = diff
     return out
 
@@ -72,29 +100,30 @@ def main() -> None:
     cfg = params.export
     model, ckpt = load_trained(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
+    if max(cfg.check_batch_sizes) > len(test.x):
+        raise ParamsError(f"params.yaml: export.check_batch_sizes={cfg.check_batch_sizes} is "
+                          f"invalid: the test split ({PREPARED / 'test.pt'}) has {len(test.x)} "
+                          f"images; use batch sizes up to {len(test.x)}")
     images = normalize(test.x[:max(cfg.check_batch_sizes)], torch.tensor(ckpt["mean"]),
                        torch.tensor(ckpt["std"]))
     example = images[:2]  # batch > 1, or the exporters specialize the batch dimension to 1
-    EXPORT_DIR.mkdir(parents=True, exist_ok=True)
-
-    from safetensors.torch import save_file
-
-    atomic_write(EXPORT_DIR / "model.safetensors",
-                 lambda p: save_file({k: v.contiguous() for k, v in model.state_dict().items()}, p))
-    exported = export_program(model, example)
-    export_onnx(exported, EXPORT_DIR / "model.onnx", cfg.opset)
-    export_pt2(exported, EXPORT_DIR / "model.pt2")
 
     import onnxruntime as ort
+    from safetensors.torch import save
 
-    session = ort.InferenceSession(str(EXPORT_DIR / "model.onnx"), providers=["CPUExecutionProvider"])
-    program = torch.export.load(str(EXPORT_DIR / "model.pt2")).module()
+    # Every file is made and checked in memory first, then all are written at once: a failed
+    # check or write leaves the previous export whole.
+    exported = export_program(model, example)
+    onnx_model, pt2 = onnx_bytes(exported, cfg.opset), pt2_bytes(exported)
+    weights = save({k: v.contiguous() for k, v in model.state_dict().items()})
+    session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
+    program = torch.export.load(io.BytesIO(pt2)).module()
     checks = check_close("onnx", lambda x: session.run(None, {"image": x.numpy()})[0], model,
                          images, cfg.check_batch_sizes, cfg.atol)
     checks |= check_close("pt2", lambda x: program(x).detach().numpy(), model, images,
                           cfg.check_batch_sizes, cfg.atol)
 
-    write_json(EXPORT_DIR / "model.json", {
+    description = json.dumps({
         "arch": ckpt["model_params"]["arch"], "model_params": ckpt["model_params"],
         "classes": ckpt["classes"], "mean": ckpt["mean"], "std": ckpt["std"],
         "input_shape": [ckpt["channels"], ckpt["image_size"], ckpt["image_size"]],
@@ -102,7 +131,10 @@ def main() -> None:
         "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
         "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
-    })
+    }, indent=2) + "\n"
+    atomic_write_all({EXPORT_DIR / name: lambda p, data=data: p.write_bytes(data) for name, data in
+                      [("model.onnx", onnx_model), ("model.pt2", pt2),
+                       ("model.safetensors", weights), ("model.json", description.encode())]})
 
     evaluation = json.loads((EVAL_DIR / "metrics.json").read_text())
     with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN_DIR) as run:

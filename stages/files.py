@@ -15,36 +15,79 @@ from typing import Any
 
 import torch
 
+# What a write can meet that the user must fix: the cause and the fix, for one line.
+WRITE_ERRORS = {
+    errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit reached (`ulimit -f`, or the file system's largest file)",
+    errno.EACCES: "permission denied", errno.EPERM: "operation not permitted (an immutable or "
+    "protected folder)", errno.EROFS: "read-only file system",
+}
+
+
+def write_error(e: BaseException, path: Path, scratch: bool = False) -> OSError | None:
+    """The one-line OSError for a failed write of `path`, or None when the cause is not one of
+    WRITE_ERRORS. Searches the chain: torch's zip writer turns an ENOSPC into a RuntimeError."""
+    while e is not None and not (isinstance(e, OSError) and e.errno in WRITE_ERRORS):
+        e = e.__context__ or e.__cause__
+    if e is None:
+        return None
+    fix = {errno.ENOSPC: "Free space on the disk of {}", errno.EDQUOT: "Free space on the disk of {}",
+           errno.EFBIG: "Raise the limit (`ulimit -f unlimited`) or move {} to another disk"
+           }.get(e.errno, "Make {} writable for this user").format(path.parent)
+    kept = "(a scratch file, removed)" if scratch else f"the previous {path.name}, if any, is intact"
+    return OSError(e.errno, f"{WRITE_ERRORS[e.errno]} while writing {path}; {kept}. {fix} and rerun")
+
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so rename is atomic)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
+    os.replace(_write_temp(path, write), path)
+    return path
+
+
+def atomic_write_all(writes: dict[Path, Callable[[Path], Any]]) -> None:
+    """atomic_write for files that belong together: every temp file is written before any is
+    renamed, so a failed write leaves all the previous files as they were."""
+    done: list[tuple[Path, Path]] = []
     try:
+        for path, write in writes.items():
+            done.append((_write_temp(Path(path), write), Path(path)))
+    except BaseException:
+        for tmp, _ in done:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in done:
+        os.replace(tmp, path)
+
+
+def _write_temp(path: Path, write: Callable[[Path], Any]) -> Path:
+    """`write` into a synced temp file beside `path`; on failure, the temp is gone."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}",
+                                    dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
         write(tmp)
         # After the write: mkstemp's 0600 would make outputs private, and a writer that
         # replaces the file (safetensors does) brings its own 0600 back.
         os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         if not isinstance(e, KeyboardInterrupt) and _interrupted(e):
             # Ctrl-C inside torch.save surfaces as its zip writer's RuntimeError
             # (inline_container.cc): keep it a Ctrl-C, so the run ends KILLED, not FAILED.
             raise KeyboardInterrupt from None
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"disk full while writing {path}; the previous "
-                          f"{path.name}, if any, is intact. Free space on the disk of "
-                          f"{path.parent} and rerun") from e
+        if (error := write_error(e, path)) is not None:
+            raise error from e
         raise
-    return path
+    return tmp
 
 
 def _interrupted(e: BaseException | None) -> bool:

@@ -85,9 +85,57 @@ def load_checkpoint(path, map_location: str | torch.device = "cpu") -> dict:
                                 "with `dvc repro train`") from None
 
 
+def skeleton(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
+    """The architecture on the meta device: every tensor's name, shape and dtype, and no memory.
+    What a file claims is checked against it before anything of the claimed size is allocated
+    or read (a forged file can claim any size)."""
+    with torch.device("meta"):
+        return build_model(cfg, channels, num_classes)
+
+
+def output_key(model: nn.Module) -> str:
+    """The output layer's bias, whose length is the number of classes: the last tensor of every
+    architecture in ARCHS (a test checks)."""
+    return next(reversed(model.state_dict()))
+
+
+def described(weights: dict) -> dict[str, tuple[list[int], object]]:
+    return {k: (list(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ([], type(v))
+            for k, v in weights.items()}
+
+
+def weights_mismatch(model: nn.Module, declared: dict[str, tuple[list[int], object]]) -> str | None:
+    """How the tensors a file declares (name -> (shape, dtype)) differ from `model`'s, or None."""
+    want = described(model.state_dict())
+    missing, extra = sorted(want.keys() - declared.keys()), sorted(declared.keys() - want.keys())
+    if missing or extra:
+        return f"tensors missing: {missing[:3] or 'none'}, unexpected: {extra[:3] or 'none'}"
+    for name, (shape, dtype) in want.items():
+        if declared[name] != (shape, dtype):
+            return (f"tensor {name!r} is {declared[name][1]} {declared[name][0]}, the architecture "
+                    f"needs {dtype} {shape}")
+    return None
+
+
+def fill(model: nn.Module, weights: dict) -> nn.Module:
+    """A skeleton given `weights`, which must match it exactly (names, shapes, dtypes)."""
+    mismatch = weights_mismatch(model, described(weights))
+    if mismatch:
+        raise ValueError(mismatch)
+    model.load_state_dict(weights, assign=True)
+    return model.eval()
+
+
 def load_trained(path) -> tuple[nn.Module, dict]:
-    """The model saved by the train stage, rebuilt from the params stored with it, in eval mode."""
+    """The model saved by the train stage, rebuilt from the params stored with it, in eval mode.
+    Its checksum can be forged with it: the params are bounded and the architecture is built on
+    the meta device, so the weights must match it before it takes any memory."""
     ckpt = load_checkpoint(path)
-    model = build_model(ModelConfig(**ckpt["model_params"]), ckpt["channels"], len(ckpt["classes"]))
-    model.load_state_dict(ckpt["model"])
-    return model.eval(), ckpt
+    try:
+        model = fill(skeleton(ModelConfig(**ckpt["model_params"]), ckpt["channels"],
+                              len(ckpt["classes"])), ckpt["model"])
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        why = str(e).splitlines()[0].removeprefix("params.yaml: ")  # ModelConfig's ParamsError
+        raise CheckpointRefused(f"{path}: its weights do not fit the model params stored with "
+                                f"it ({why}); rebuild it with `dvc repro train`") from None
+    return model, ckpt

@@ -13,14 +13,18 @@ named in model.json.
 from __future__ import annotations
 
 import json
+import math
 import re
+import reprlib
 import sys
+import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from stages.config import ArgumentParser, positive_int, run_stage
+from stages.config import ArgumentParser, DataConfig, ParamsError, positive_int, run_stage
 from stages.images import DataError, decode_image, image_files
 
 MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")
@@ -33,83 +37,141 @@ def collect(paths: list[str]) -> list[Path]:
     return out
 
 
-def load_runner(model: Path, spec: dict):
+# model.json lists one label per class: 64 MiB is millions of them, and a bound on what is read.
+MAX_SPEC_BYTES = 64 << 20
+
+
+def read_spec(path: Path) -> dict:
+    """model.json, checked before anything it sizes is allocated: each key against the bounds
+    params.yaml has for it (data.channels, data.image_size, data.resize)."""
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            raise DataError(f"{path}: {key}={reprlib.repr(spec.get(key))} is invalid: {rule}; "
+                            "export the model again (`dvc repro export`)")
+
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise DataError(f"{path}: {path.stat().st_size} bytes, more than a model.json holds "
+                        f"({MAX_SPEC_BYTES}); export the model again (`dvc repro export`)")
+    try:
+        spec = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); export the model again "
+                        "(`dvc repro export`)") from None
+    if not isinstance(spec, dict):
+        raise DataError(f"{path}: not a JSON object; export the model again (`dvc repro export`)")
+    shape = spec.get("input_shape")
+    need(isinstance(shape, list) and len(shape) == 3 and all(type(d) is int for d in shape)
+         and shape[1] == shape[2], "input_shape", "give [channels, size, size], whole numbers")
+    need(spec.setdefault("resize", "squash") in ("squash", "center_crop"), "resize",
+         "choose squash or center_crop")
+    try:
+        DataConfig(channels=shape[0], image_size=shape[1])
+    except ParamsError as e:  # the rule for the same value in params.yaml
+        need(False, "input_shape", str(e).removeprefix("params.yaml: "))
+    classes = spec.get("classes")
+    need(isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes),
+         "classes", "give a non-empty list of strings, one label per class")
+    for key in ("mean", "std"):
+        v = spec.get(key)
+        need(isinstance(v, list) and len(v) == shape[0] and all(
+            type(x) in (int, float) and math.isfinite(x) and (key == "mean" or x > 0) for x in v),
+             key, f"give {shape[0]} finite numbers (one per channel of input_shape)"
+             + (", each > 0" if key == "std" else ""))
+    return spec
+
+
+def load_runner(model: Path, spec: dict, timeout_s: int):
     """A function from a float32 NCHW batch to logits."""
     if model.suffix == ".onnx":
-        import onnxruntime as ort
-
-        try:
-            session = ort.InferenceSession(str(model), providers=ort.get_available_providers())
-        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types for a bad file
-            raise DataError(f"--model {model}: onnxruntime refused it "
-                            f"({str(e).splitlines()[0]})") from None
-        name = session.get_inputs()[0].name
-        return lambda x: session.run(None, {name: x})[0]
-    return eager_runner(model, spec, pt2_weights(model) if model.suffix == ".pt2" else
-                        safetensors_weights(model))
+        return onnx_runner(model, spec, timeout_s)
+    return eager_runner(model, spec)
 
 
-def pt2_weights(path: Path) -> dict:
-    """The weights of a torch.export archive, read as plain tensors. Never torch.export.load on
-    a file from elsewhere: it evaluates code the file carries (symbolic shapes through sympy,
-    guard code through exec, and pickled weights or sample inputs when a weights-only load
-    fails)."""
-    import torch
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+def onnx_runner(model: Path, spec: dict, timeout_s: int):
+    import onnxruntime as ort
 
     try:
-        with zipfile.ZipFile(path) as z:
-            config_name = next(n for n in z.namelist()
-                               if n.endswith("/data/weights/model_weights_config.json"))
-            folder = config_name.removesuffix("model_weights_config.json")
-            weights = {}
-            for fqn, meta in json.loads(z.read(config_name))["config"].items():
-                tm = meta.get("tensor_meta")
-                if meta.get("use_pickle") or tm is None:
-                    raise DataError(f"--model {path}: weight {fqn!r} is a pickle, refused "
-                                    "(unpickling can run code); export the model again")
-                dtype = _SERIALIZE_TO_TORCH_DTYPE[tm["dtype"]]
-                raw = bytearray(z.read(folder + meta["path_name"]))
-                flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-                weights[fqn] = flat.as_strided([d["as_int"] for d in tm["sizes"]],
-                                               [d["as_int"] for d in tm["strides"]],
-                                               tm["storage_offset"]["as_int"])
-            return weights
-    except (StopIteration, KeyError, TypeError, ValueError, RuntimeError, zipfile.BadZipFile,
-            json.JSONDecodeError) as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"--model {path}: not a torch.export archive with plain weights "
-                        f"({type(e).__name__}: {e}); export the model again") from None
-
-
-def safetensors_weights(path: Path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise DataError(f"--model {path}: unreadable safetensors file ({e})") from None
-
-
-def eager_runner(model: Path, spec: dict, weights: dict):
-    """The architecture model.json names, filled with `weights` (strictly: every tensor, each
-    of the right shape)."""
-    import torch
-
-    from stages.config import ModelConfig
-    from stages.models import build_model
-
-    try:
-        net = build_model(ModelConfig(**spec["model_params"]), spec["input_shape"][0],
-                          len(spec["classes"]))
-        net.load_state_dict(weights)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise DataError(f"--model {model}: its weights do not fit the model that "
-                        f"{model.with_name('model.json')} describes "
+        session = ort.InferenceSession(str(model), providers=ort.get_available_providers())
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types for a bad file
+        raise DataError(f"--model {model}: onnxruntime refused it "
                         f"({str(e).splitlines()[0]})") from None
-    net.eval()
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    want_in = ["batch", *spec["input_shape"]]
+    if len(inputs) != 1 or inputs[0].type != "tensor(float)" or not fits(inputs[0].shape, want_in):
+        raise DataError(f"{model.with_name('model.json')}: input_shape={spec['input_shape']} does "
+                        f"not match what --model {model} takes "
+                        f"({', '.join(f'{i.name} {i.type} {i.shape}' for i in inputs)}); export "
+                        "the model again (`dvc repro export`)")
+    if not outputs or not fits(outputs[0].shape, ["batch", len(spec["classes"])]):
+        raise DataError(f"{model.with_name('model.json')}: classes lists "
+                        f"{len(spec['classes'])} labels, --model {model} gives "
+                        f"{outputs[0].shape if outputs else 'no output'}; export the model "
+                        "again (`dvc repro export`)")
+    name = inputs[0].name
+
+    def run(x):
+        # A graph can loop for ever (a Loop of 10^15 iterations): onnxruntime checks this flag
+        # between nodes and iterations, so a timer can stop it from this thread.
+        options = ort.RunOptions()
+        timer = threading.Timer(timeout_s, lambda: setattr(options, "terminate", True))
+        timer.start()
+        try:
+            return session.run(None, {name: x}, options)[0]
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+            if options.terminate:
+                raise DataError(f"--model {model}: a batch of {len(x)} ran past --timeout "
+                                f"{timeout_s} s and was stopped; if the model is just slow, "
+                                "raise --timeout or lower --batch-size") from None
+            raise DataError(f"--model {model}: onnxruntime failed running it "
+                            f"({str(e).splitlines()[0]})") from None
+        finally:
+            timer.cancel()
+
+    return run
+
+
+def fits(declared: list | None, want: list) -> bool:
+    """Whether an ONNX shape (ints, or names for dimensions set at run time) can be `want`."""
+    return declared is None or (len(declared) == len(want) and all(
+        not isinstance(d, int) or d == w for d, w in zip(declared, want, strict=True)))
+
+
+def eager_runner(model: Path, spec: dict):
+    """The architecture model.json names, filled with the file's weights: each declared tensor
+    is checked against the architecture (name, shape, dtype) before any is read, and no more is
+    read than the architecture needs."""
+    import torch
+
+    from stages.config import ModelConfig, _check
+    from stages.models import fill, output_key, skeleton, weights_mismatch
+
+    spec_path = model.with_name("model.json")
+    params = spec.get("model_params")
+    try:
+        if not isinstance(params, dict):
+            raise ParamsError("params.yaml: give the model section of params.yaml as an object")
+        _check(params, ModelConfig, "model.")  # types and unknown keys, as in params.yaml
+        net = skeleton(ModelConfig(**params), spec["input_shape"][0], len(spec["classes"]))
+    except ParamsError as e:
+        raise DataError(f"{spec_path}: model_params={reprlib.repr(params)} is invalid: "
+                        f"{str(e).removeprefix('params.yaml: ')}; export the model again "
+                        "(`dvc repro export`)") from None
+
+    def check(declared: dict) -> None:
+        out = declared.get(output_key(net), ([None], None))[0]
+        if out[:1] != [len(spec["classes"])]:
+            raise DataError(f"{spec_path}: classes lists {len(spec['classes'])} labels, "
+                            f"--model {model} has {out[:1]} outputs; export the model again "
+                            "(`dvc repro export`)")
+        mismatch = weights_mismatch(net, declared)
+        if mismatch:
+            raise DataError(f"--model {model}: its weights do not fit the model that {spec_path} "
+                            f"describes ({mismatch}); export the model again "
+                            "(`dvc repro export`)")
+
+    weights = (pt2_weights if model.suffix == ".pt2" else safetensors_weights)(model, check)
+    net = fill(net, weights)
 
     def run(x):
         with torch.inference_mode():
@@ -118,12 +180,112 @@ def eager_runner(model: Path, spec: dict, weights: dict):
     return run
 
 
-def shown(path: Path) -> str:
-    """A path for the tab-separated text output: control characters (a tab or a newline in a
-    file name would break the columns) escaped as \\t, \\n, \\xNN; --json has them exact."""
+def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
+    """The weights of a torch.export archive, read as plain tensors: `check` sees every tensor's
+    declared name, shape and dtype first; then each entry is read only if it is stored
+    uncompressed (no bomb: never more bytes than the file has) and is exactly its tensor's size.
+    Never torch.export.load on a file from elsewhere: it evaluates code the file carries
+    (symbolic shapes through sympy, guard code through exec, and pickled weights or sample
+    inputs when a weights-only load fails)."""
+    import torch
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            config_name = next(n for n in z.namelist()
+                               if n.endswith("/data/weights/model_weights_config.json"))
+            folder = config_name.removesuffix("model_weights_config.json")
+            config = json.loads(stored(z, config_name, None))["config"]
+            declared = {}
+            for fqn, meta in config.items():
+                tm = meta.get("tensor_meta")
+                if meta.get("use_pickle") or tm is None:
+                    raise DataError(f"--model {path}: weight {fqn!r} is a pickle, refused "
+                                    "(unpickling can run code); export the model again")
+                sizes = [d["as_int"] for d in tm["sizes"]]
+                if ([d["as_int"] for d in tm["strides"]] != list(torch.empty(sizes, device="meta")
+                                                                  .stride())
+                        or tm["storage_offset"]["as_int"] != 0):
+                    raise DataError(f"--model {path}: weight {fqn!r} is stored as a view, not as "
+                                    "plain contiguous data; export the model again")
+                declared[fqn] = (sizes, _SERIALIZE_TO_TORCH_DTYPE[tm["dtype"]])
+            check(declared)
+            weights = {}
+            for fqn, meta in config.items():
+                sizes, dtype = declared[fqn]
+                raw = bytearray(stored(z, folder + meta["path_name"],
+                                       math.prod(sizes) * dtype.itemsize))
+                weights[fqn] = (torch.frombuffer(raw, dtype=dtype) if raw else
+                                torch.empty(0, dtype=dtype)).view(sizes)
+            return weights
+    except (StopIteration, KeyError, TypeError, ValueError, RuntimeError, EOFError,
+            zipfile.BadZipFile, json.JSONDecodeError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"--model {path}: not a torch.export archive with plain weights "
+                        f"({type(e).__name__}: {e}); export the model again") from None
+
+
+def stored(z: zipfile.ZipFile, name: str, size: int | None) -> bytes:
+    """An entry torch.export.save wrote (uncompressed), of exactly `size` bytes when given."""
+    info = z.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED or (size is not None and info.file_size != size):
+        raise DataError(f"--model {z.filename}: entry {name} is "
+                        f"{'compressed' if info.compress_type else 'stored'}, {info.file_size} "
+                        f"bytes unpacked; expected {size if size is not None else 'any number of'}"
+                        " bytes stored uncompressed, as torch.export.save writes; export the "
+                        "model again")
+    with z.open(info) as f:
+        return f.read(info.file_size)
+
+
+def safetensors_weights(path: Path, check: Callable[[dict], None]) -> dict:
+    """The tensors of a safetensors file; `check` sees their names, shapes and dtypes first
+    (the header, read without the data)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import _TYPES  # its dtype names, e.g. "F32": torch.float32
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            declared = {}
+            for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                part = f.get_slice(name)
+                declared[name] = (part.get_shape(), _TYPES.get(part.get_dtype()))
+            check(declared)
+            return {name: f.get_tensor(name) for name in declared}
+    except (SafetensorError, OSError) as e:
+        raise DataError(f"--model {path}: unreadable safetensors file ({e})") from None
+
+
+def shown(text: str | Path) -> str:
+    """A path or a label for the tab-separated text output: control characters (a tab or a
+    newline would break the columns, an escape sequence would drive the terminal; C1 controls
+    such as \\x9b start one too) escaped as \\t, \\n, \\xNN; --json has them exact."""
     escapes = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
-    return re.sub(r"[\x00-\x1f\x7f]", lambda m: escapes.get(m[0], f"\\x{ord(m[0]):02x}"),
-                  str(path))
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: escapes.get(m[0], f"\\x{ord(m[0]):02x}"),
+                  str(text))
+
+
+# How far an image's mean brightness may lie from the training images', in their standard
+# deviations: digits drawn light on dark lie within 0.2, the same drawn dark on light 1.1-1.4.
+UNLIKE_TRAINING_STDS = 1.0
+
+
+def brightness_offset(x: np.ndarray) -> np.ndarray:
+    """Each normalized image's mean: its brightness against the training mean, in training stds."""
+    return x.mean(axis=(1, 2, 3))
+
+
+def unlike_training(offset: float, spec: dict) -> str | None:
+    """A warning when an image is far brighter or darker than what the model learned from: a
+    model is confidently wrong on such inputs (dark strokes on light paper for digits)."""
+    if abs(offset) <= UNLIKE_TRAINING_STDS:
+        return None
+    mean, std = np.mean(spec["mean"]), np.mean(spec["std"])
+    return (f"its mean brightness {mean + offset * std:.2f} is far from the training images' "
+            f"{mean:.2f} (std {std:.2f}, pixels 0-1): it is "
+            f"{'brighter' if offset > 0 else 'darker'} than what the model learned from (the "
+            "digits model learned light strokes on a dark background); its answer may be wrong")
 
 
 def softmax(z: np.ndarray) -> np.ndarray:
@@ -139,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=Path("models/export/model.onnx"),
                     help="an exported model.onnx, model.pt2 or model.safetensors, with its "
                          "model.json beside it")
-    ap.add_argument("--top-k", type=positive_int, default=1)
+    ap.add_argument("--top-k", type=positive_int, default=1,
+                    help="with --json, the K most likely classes of each image (default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
-    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--batch-size", type=positive_int, default=64,
+                    help="images per run of the model (default 64); lower it to use less memory")
+    ap.add_argument("--timeout", type=positive_int, default=60, metavar="SECONDS",
+                    help="the most one batch may run in onnxruntime (a graph can loop for ever)")
     args = ap.parse_args(argv)
     if args.model.suffix not in MODEL_SUFFIXES:
         raise DataError(f"--model {args.model}: not an exported model; predict runs "
@@ -152,12 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     for needed in (args.model, spec_path):
         if not needed.is_file():
             raise DataError(f"{needed} is missing; run `dvc repro export` first")
-    spec = json.loads(spec_path.read_text())
+    spec = read_spec(spec_path)
     channels, size, _ = spec["input_shape"]
     classes = spec["classes"]
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
-    run = load_runner(args.model, spec)
+    run = load_runner(args.model, spec, args.timeout)
     k = min(args.top_k, len(classes))
 
     failed = 0
@@ -175,22 +341,31 @@ def main(argv: list[str] | None = None) -> int:
         batch, paths = [], []
         for path in files[start:start + args.batch_size]:
             try:
-                batch.append(decode_image(path, channels, size, spec.get("resize", "squash")))
+                batch.append(decode_image(path, channels, size, spec["resize"]))
                 paths.append(path)
             except (DataError, OSError) as e:
                 emit_error(path, str(e))
         if not batch:
             continue
         x = (np.stack(batch).astype(np.float32) / 255 - mean) / std
-        probs = softmax(np.asarray(run(x), dtype=np.float64))
-        for path, p in zip(paths, probs, strict=True):
+        logits = np.asarray(run(x), dtype=np.float64)
+        if logits.shape != (len(x), len(classes)):
+            raise DataError(f"--model {args.model} gave logits of shape {list(logits.shape)} for "
+                            f"{len(x)} images and the {len(classes)} classes of {spec_path}; "
+                            "export the model again (`dvc repro export`)")
+        probs = softmax(logits)
+        for path, p, offset in zip(paths, probs, brightness_offset(x), strict=True):
             top = np.argsort(-p)[:k]
+            warning = unlike_training(offset, spec)
             if args.json:
                 print(json.dumps({"path": str(path), "label": classes[top[0]],
                                   "confidence": float(p[top[0]]),
-                                  "top_k": [{"label": classes[i], "p": float(p[i])} for i in top]}))
+                                  "top_k": [{"label": classes[i], "p": float(p[i])} for i in top]}
+                                 | ({"warning": warning} if warning else {})))
             else:
-                print(f"{shown(path)}\t{classes[top[0]]}\t{p[top[0]]:.4f}")
+                if warning:
+                    print(f"warning: {shown(path)}: {warning}", file=sys.stderr)
+                print(f"{shown(path)}\t{shown(classes[top[0]])}\t{p[top[0]]:.4f}")
     if not files:
         print("error: no image files found in " + " ".join(args.paths), file=sys.stderr)
         return 1

@@ -32,17 +32,18 @@ def main() -> None:
         print(f"{root}: {len(classes)} classes, {sum(map(len, files.values()))} image files; "
               "names and layout are fine")
         return
-    loaded = SOURCES[cfg.source](cfg, params.seed, PREPARED)
-
-    meta = build_meta(loaded.splits, loaded.classes, cfg)
-    meta["rejected"] = len(loaded.rejected)
-    meta["duplicates_across_splits"] = len(loaded.leaks)
-    save_prepared(PREPARED, loaded.splits, meta)
-    write_csv(PREPARED / "rejected.csv", ["path", "reason"], loaded.rejected)
-    write_csv(PREPARED / "leakage.csv", ["sha256", "split", "path"],
-              [(d, s, p) for d, v in loaded.leaks.items() for s, p in v])
-    for scratch in PREPARED.glob(".*.npy"):  # the folder source's memory-mapped decode files
-        scratch.unlink()
+    try:
+        loaded = SOURCES[cfg.source](cfg, params.seed, PREPARED)
+        meta = build_meta(loaded.splits, loaded.classes, cfg)
+        meta["rejected"] = len(loaded.rejected)
+        meta["duplicates_across_splits"] = len(loaded.leaks)
+        save_prepared(PREPARED, loaded.splits, meta)
+        write_csv(PREPARED / "rejected.csv", ["path", "reason"], loaded.rejected)
+        write_csv(PREPARED / "leakage.csv", ["sha256", "split", "path"],
+                  [(d, s, p) for d, v in loaded.leaks.items() for s, p in v])
+    finally:  # also on a failure: the folder source's memory-mapped decode files can be large
+        for scratch in PREPARED.glob(".*.npy"):
+            scratch.unlink()
 
     print(f"prepared {cfg.source}: " + ", ".join(f"{k} {v}" for k, v in meta["sizes"].items())
           + f"; {len(loaded.classes)} classes, {cfg.channels}x{cfg.image_size}x{cfg.image_size}")

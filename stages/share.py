@@ -8,25 +8,82 @@ machine then finds the entry, misses those files and reruns the stage. This push
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from ruamel.yaml import YAML
+
+from stages.config import UserError, run_stage
+
+
+class ShareError(UserError):
+    """The DVC remote is missing, unusable or unreachable; the message says what to do."""
 
 
 def main() -> None:
+    from dvc.config import NoRemoteError
+    from dvc.exceptions import DvcException
     from dvc.repo import Repo
+
+    with Repo() as repo, dvc_problems() as problems:
+        name = repo.config["core"].get("remote")
+        remote = f"the DVC remote {name!r} ({repo.config['remote'].get(name, {}).get('url')})"
+        try:
+            print(push(repo))
+        except NoRemoteError:
+            raise ShareError("no DVC remote to share to: add one with `dvc remote add -d NAME "
+                             "URL` (a folder, s3://..., ssh://...), then rerun `make share`") from None
+        except ImportError as e:  # "s3 is supported, but requires 'dvc-s3' to be installed"
+            plugin = re.search(r"requires '([\w-]+)'", str(e))
+            if not plugin:
+                raise
+            raise ShareError(f"{remote} needs the package {plugin[1]}: `.venv/bin/pip install "
+                             f"{plugin[1]}`, then rerun `make share`") from None
+        except (DvcException, OSError) as e:  # OSError: a folder remote under a file, ...
+            why = next((f" ({r.exc_info[1] if r.exc_info else r.getMessage()})"
+                        for r in problems if r.levelno >= logging.ERROR), "")
+            raise ShareError(f"could not push to {remote}: {e}{why}; check its URL and that "
+                             "this machine reaches it (`dvc remote list`, `dvc remote modify`)"
+                             ) from None
+    for record in problems:  # the warnings of a push that worked
+        print(f"WARNING: {record.getMessage()}", file=sys.stderr)
+
+
+@contextmanager
+def dvc_problems() -> Iterator[list[logging.LogRecord]]:
+    """DVC's warnings and errors, kept instead of printed: a remote that does not answer logs
+    one error per file, and the first one's cause belongs in the one line that ends the run."""
+    kept = logging.handlers.BufferingHandler(capacity=10**6)
+    kept.setLevel(logging.WARNING)
+    loggers = {logging.getLogger(n): logging.getLogger(n).handlers for n in
+               ("dvc", "dvc_objects", "dvc_data")}
+    for logger, handlers in loggers.items():
+        logger.handlers = [h for h in handlers if h.level < logging.WARNING] + [kept]
+    try:
+        yield kept.buffer
+    finally:
+        for logger, handlers in loggers.items():
+            logger.handlers = handlers
+
+
+def push(repo) -> str:
     from dvc_data.hashfile.hash_info import HashInfo
 
-    with Repo() as repo:
-        repo.push(run_cache=True)
-        runs = repo.cache.legacy.fs.join(repo.cache.legacy.path, "runs")
-        outs = [out for entry in repo.cache.legacy.fs.find(runs)
-                for out in (YAML(typ="safe").load(repo.cache.legacy.fs.read_text(entry)) or {})
-                .get("outs", [])]
-        objects = {HashInfo(out.get("hash", "md5"), out["md5"]) for out in outs
-                   if "md5" in out and not out["md5"].endswith(".dir")}  # dirs: pushed above
-        result = repo.cloud.push(objects)
-        print(f"pushed the run-cache and {len(result.transferred)} more files it needs "
-              f"({len(objects)} outputs named in it)")
+    repo.push(run_cache=True)
+    runs = repo.cache.legacy.fs.join(repo.cache.legacy.path, "runs")
+    outs = [out for entry in repo.cache.legacy.fs.find(runs)
+            for out in (YAML(typ="safe").load(repo.cache.legacy.fs.read_text(entry)) or {})
+            .get("outs", [])]
+    objects = {HashInfo(out.get("hash", "md5"), out["md5"]) for out in outs
+               if "md5" in out and not out["md5"].endswith(".dir")}  # dirs: pushed above
+    result = repo.cloud.push(objects)
+    return (f"pushed the run-cache and {len(result.transferred)} more files it needs "
+            f"({len(objects)} outputs named in it)")
 
 
 if __name__ == "__main__":
-    main()
+    run_stage(main)

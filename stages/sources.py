@@ -23,6 +23,7 @@ from torch import Tensor
 
 from stages.config import DataConfig
 from stages.data import SPLITS, Split, digits_file
+from stages.files import write_error
 from stages.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
 
 
@@ -201,7 +202,15 @@ def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
     from tqdm import tqdm
 
     shape = (len(items), cfg.channels, cfg.image_size, cfg.image_size)
-    x = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape)
+    try:
+        x = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape)
+        # open_memmap makes a sparse file: on a full disk, writing its pages would kill the
+        # process with SIGBUS. Its blocks reserved now, a full disk is an ENOSPC here.
+        with open(scratch, "rb+") as f:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    except OSError as e:
+        scratch.unlink(missing_ok=True)
+        raise (write_error(e, scratch, scratch=True) or e) from e
     labels, rejected, digests = [], [], []
     decoded = decode_many([p for p, _ in items], cfg.channels, cfg.image_size, cfg.resize, workers)
     for (path, label), (img, reason, digest) in tqdm(zip(items, decoded, strict=True),

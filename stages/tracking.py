@@ -2,11 +2,13 @@
 
 One experiment, one MLflow run, never another's. Train opens a run and leaves its id, with the
 MD5 of the model it wrote and the DVC experiment's name, in models/train/run.json (not a DVC
-output). Evaluate and export log into that run when both still match; otherwise (training was
-restored from DVC's run-cache, or belongs to another experiment) they open a run of their own,
-named after the experiment and linked to the run that trained the model (tag
-`training_run_id`). Tracking never crashes training: when the store is unreachable, the stage
-warns once and goes on with a no-op tracker; the DVC outputs are written all the same.
+output). Evaluate and export log into that run when both still match and the run is in the
+store with the params they run with; otherwise (training was restored from DVC's run-cache or
+belongs to another experiment, the run was deleted or is in another store, or an `eval.*` param
+changed since: MLflow params are immutable) they open a run of their own, named after the
+experiment and linked to the run that trained the model (tag `training_run_id`). Tracking
+never crashes training: when the store is unreachable, the stage warns once and goes on with a
+no-op tracker; the DVC outputs are written all the same.
 """
 
 from __future__ import annotations
@@ -329,6 +331,12 @@ def _experiment_id(name: str, uri: str) -> str:
     import mlflow
 
     exp = mlflow.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        # Its name stays taken until `mlflow gc`: the only way to log under it again. MLflow
+        # restores the runs deleted with it, so runs named in run.json are whole again.
+        mlflow.MlflowClient().restore_experiment(exp.experiment_id)
+        warnings.warn(f"MLflow experiment {name!r} was deleted in {uri}; restored it with its "
+                      "runs (delete them one by one, or rename mlflow.experiment)", stacklevel=2)
     if exp is None:
         # Artifacts next to the store in the real workspace, not in the cwd: a `dvc exp run
         # --temp` runs in a copy that is deleted afterwards.
@@ -413,26 +421,38 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
                    train_dir: Path) -> Iterator[Tracker]:
     """The MLflow run of this experiment's model in `train_dir`, for evaluate and export.
 
-    The run train opened when run.json names this model and this experiment. Otherwise
-    training came from DVC's run-cache or from another experiment: a new run of this
-    experiment, with its params, dataset (`meta` of the prepared data) and the training's
-    metrics and curves (from the DVC outputs), tagged `training_run_id` with the run that
-    trained the model."""
+    The run named in run.json when it names this model and this experiment, and is still in the
+    store with the params this stage runs with. Otherwise a new run of this experiment, with
+    its params, dataset (`meta` of the prepared data) and the training's metrics and curves
+    (from the DVC outputs), tagged `training_run_id` with the run that trained the model, its
+    note (the UI's description) saying why: training came from DVC's run-cache or another
+    experiment, the run was deleted or is in another store, or params it logged (MLflow's are
+    immutable) differ from this stage's, say a changed `eval.batch_size`."""
     md5 = _md5(train_dir / "model.pt")
     link_file = train_dir / RUN_FILE
     link = json.loads(link_file.read_text()) if link_file.exists() else {}
-    if link.get("model_md5") == md5 and link.get("dvc_exp_name") == exp_name():
-        if not link.get("run_id"):
-            warnings.warn(f"{link_file} has no MLflow run id (training ran without tracking); "
-                          "nothing is logged to MLflow", stacklevel=3)
-            yield Tracker(tracking_uri(cfg))
-            return
-        with start_run(cfg, run_id=link["run_id"], keep_duration=True) as run:
-            yield run
-        return
+    uri = tracking_uri(cfg)
+    trained_by, why, note = None, "training was restored from DVC's run-cache", False
+    if link.get("model_md5") == md5:
+        trained_by = link.get("run_id")
+        if link.get("dvc_exp_name") != exp_name():
+            why = f"the model was trained in {link.get('dvc_exp_name') or 'the workspace'}"
+        else:
+            why, trained_by = _unusable(cfg, uri, link.get("run_id"), params)
+            if why is None:
+                with start_run(cfg, run_id=link["run_id"], keep_duration=True) as run:
+                    yield run
+                return
+            note = True
 
-    with start_run(cfg, tags={"model_md5": md5, "restored_from_run_cache": "true"}) as run:
-        trained_by = link.get("run_id") if link.get("model_md5") == md5 else None
+    tags = {"model_md5": md5, "mlflow.note.content": f"A run of its own: {why}.",
+            "restored_from_run_cache": None if note else "true",
+            "training_tracking_uri": link.get("tracking_uri") if trained_by and
+            link.get("tracking_uri") != uri else None}
+    with start_run(cfg, tags=tags) as run:
+        if note and run.run_id:  # not when the store is down: start_run said so
+            warnings.warn(f"{link_file}: {why}; logging into a new run {run.run_id} linked to "
+                          "the training run (tag training_run_id)", stacklevel=3)
         run.set_tags({"training_run_id": trained_by or run._call(_training_run, md5)})
         run.log_params(params)
         run.log_dataset(meta, params["data.root"])
@@ -446,6 +466,39 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
         if run.run_id:
             _write_link(link_file, run, md5)
         yield run
+
+
+def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
+              params: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Why a later stage cannot log into the run `run_id` (None: it can), and the run that
+    trained the model. An unreachable store is start_run's to report: None."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return "training ran without tracking (no run id)", None
+    try:
+        mlflow.set_tracking_uri(uri)
+        with _store_lock(uri):
+            _experiment_id(cfg.experiment, uri)  # a deleted experiment comes back with its runs
+        run = mlflow.MlflowClient().get_run(run_id)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return f"its MLflow run {run_id} is not in {uri}", run_id
+        return None, run_id
+    except Exception:  # noqa: BLE001 - unreachable: start_run warns once
+        return None, run_id
+    trained_by = run.data.tags.get("training_run_id", run_id)
+    if run.info.lifecycle_stage == "deleted":
+        return f"its MLflow run {run_id} was deleted", trained_by
+    want = {k: str(v) for k, v in params.items()}
+    changed = sorted(k for k in want.keys() | run.data.params.keys()
+                     if want.get(k) != run.data.params.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {run.data.params.get(k)} -> {want.get(k)}" for k in changed[:3])
+        return (f"its MLflow run {run_id} was logged with other params "
+                f"({shown}{', ...' if len(changed) > 3 else ''})"), trained_by
+    return None, run_id
 
 
 def _training_run(md5: str) -> str | None:

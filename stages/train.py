@@ -54,7 +54,7 @@ def main() -> None:
     params = load_params()
     resolve_device(params.train.device)  # an unusable device fails now, not after the data loads
     check_checkpoint_root(repo_root() / params.train.checkpoint_dir, repo_root(), params.data.root)
-    nproc = distributed.requested_processes(params.train)
+    nproc = distributed.requested_processes(params.train, params.batch_size)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
     rank, world = distributed.init(params.train)

@@ -243,6 +243,15 @@ def test_two_processes_log_to_one_new_sqlite_store_at_once(tmp_path, digits):
         assert steps == 3 * 20  # every step of 3 epochs x 20 steps, none lost
 
 
+def lock_entries(lock) -> dict:
+    """dvc.lock's stages but the params check (it has no outputs and passes on any valid edit)."""
+    from omegaconf import OmegaConf
+
+    text = lock.read_text() if hasattr(lock, "read_text") else lock.decode()
+    stages = OmegaConf.to_container(OmegaConf.create(text))["stages"]
+    return {k: v for k, v in stages.items() if k != "params"}
+
+
 @pytest.mark.slow
 def test_a_failing_stage_leaves_dvc_lock_and_marks_the_run_failed(tmp_path):
     repo = copy_repo(tmp_path / "repo", {"epochs": "2"})
@@ -253,7 +262,8 @@ def test_a_failing_stage_leaves_dvc_lock_and_marks_the_run_failed(tmp_path):
     set_params(repo / "params.yaml", {"lr": "1e30"})  # diverges: a non-finite loss
     p = run(["dvc", "repro"], repo, env=env, check=False)
     assert p.returncode != 0 and "non-finite loss at step" in p.stderr
-    assert (repo / "dvc.lock").read_bytes() == lock
+    # Every stage's entry as it was; only the params check, which passed, records the new lr.
+    assert lock_entries(repo / "dvc.lock") == lock_entries(lock)
 
     import mlflow
 

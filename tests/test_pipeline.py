@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -175,8 +176,11 @@ def test_exp_run_changes_only_the_values_given_and_trains_through_torchrun(repo)
 def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
     p = run(["dvc", "exp", "run", "-S", "lr='1e-3'"], repo, env=env_with(), check=False)
     assert p.returncode != 0
-    assert "lr='1e-3'" in p.stderr and "git checkout params.yaml" in p.stderr, p.stderr
-    run(["git", "checkout", "params.yaml"], repo)
+    assert "lr='1e-3'" in p.stderr, p.stderr
+    restore = re.search(r"run `(git rm [^`]+)` to restore", p.stderr)[1]
+    run(["bash", "-c", restore], repo)  # exactly as the message says
+    assert (repo / "params.yaml").read_bytes() == run(["git", "show", "HEAD:params.yaml"],
+                                                      repo).stdout.encode()
     p = run(["dvc", "repro"], repo, env=env_with())  # as the message says: outputs come back
     assert "Running stage 'train'" not in p.stdout and "is cached" in p.stdout, p.stdout
     assert (repo / "models/train/model.pt").exists()

@@ -1,0 +1,53 @@
+"""`make verify`'s verdict: `python -m stages.verify OLD_LOCK` compares dvc.lock after a forced
+rerun of every stage with OLD_LOCK, the one before it; names the outputs whose hashes changed
+and how to get the previous ones back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+from stages.config import UserError, run_stage
+
+
+class NotReproduced(UserError):
+    """A rerun gave other bytes; the message names the outputs and how to get back."""
+
+
+def output_hashes(lock: str) -> dict[str, str]:
+    stages = YAML(typ="safe").load(lock).get("stages", {})
+    return {out["path"]: out.get("md5", "") for stage in stages.values()
+            for out in stage.get("outs", [])}
+
+
+def git(*args: str) -> str | None:
+    p = subprocess.run(["git", *args], capture_output=True, text=True)
+    return p.stdout if p.returncode == 0 else None
+
+
+def main() -> None:
+    old_lock = Path(sys.argv[1])
+    before, after = output_hashes(old_lock.read_text()), output_hashes(Path("dvc.lock").read_text())
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if not changed:
+        print("verified: every output is byte-identical to what dvc.lock recorded")
+        return
+    # The outputs DVC caches come back with `dvc checkout`; the `cache: false` ones (metrics,
+    # plots) are in git only, so their previous versions are the committed ones.
+    in_git = (git("ls-files", "--", *changed) or "").split()
+    if git("show", "HEAD:dvc.lock") == old_lock.read_text():
+        back = f"git checkout -- {' '.join(['dvc.lock', *in_git])} && dvc checkout"
+    else:
+        back = (f"cp {old_lock} dvc.lock && dvc checkout"
+                + (f", and the committed {', '.join(in_git)} with `git checkout --`" if in_git else ""))
+    raise NotReproduced(
+        f"NOT reproduced: a rerun changed {', '.join(changed)}. Results are byte-identical only "
+        "on the same CPU, thread count (OMP_NUM_THREADS) and requirements.lock; the rerun's "
+        f"outputs are in place now, to get the previous ones back: {back}")
+
+
+if __name__ == "__main__":
+    run_stage(main)
