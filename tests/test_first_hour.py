@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from stages.data import load_split
-from tests.conftest import ROOT, committed, copy_params, copy_repo, run, set_params
+from tests.conftest import ROOT, committed, copy_params, copy_repo, env_with, run, set_params
 
 
 def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
@@ -76,3 +76,27 @@ def test_workspace_runs_are_named_apart(tmp_path, monkeypatch):
     assert len(set(n.rsplit(" ", 1)[0] for n in names)) == 4  # apart even within one second
     monkeypatch.setenv("DVC_EXP_NAME", "lated-dita")
     assert run_name() == "lated-dita"
+
+
+def test_predict_warns_on_digits_drawn_dark_on_light(tmp_path, digits):
+    """The shipped samples (test-split digits, light on dark) pass quietly; the same drawn the
+    way people draw, dark on light, are flagged, in the text and in --json."""
+    from PIL import ImageOps
+
+    from tests.test_faults import exported as make_export
+
+    model = make_export.__wrapped__(tmp_path, digits) / "model.safetensors"
+    samples = sorted((ROOT / "data/samples").glob("*.png"))
+    assert [p.stem for p in samples] == [str(d) for d in range(10)]
+    for p in samples:
+        ImageOps.invert(Image.open(p).convert("L")).save(tmp_path / f"inv{p.name}")
+    args = [sys.executable, "-m", "stages.predict", "--model", str(model)]
+    env = env_with(PYTHONPATH=str(ROOT))
+    quiet = run([*args, *map(str, samples)], tmp_path, env=env)
+    assert "warning" not in quiet.stderr and len(quiet.stdout.splitlines()) == 10
+    dark = run([*args, *map(str, sorted(tmp_path.glob("inv*.png")))], tmp_path, env=env)
+    assert dark.stderr.count("warning: ") == 10 and "brighter than what the model learned" \
+        in dark.stderr, dark.stderr
+    rows = [json.loads(ln) for ln in run([*args, "--json", str(tmp_path / "inv3.png")], tmp_path,
+                                         env=env).stdout.splitlines()]
+    assert "far from the training images'" in rows[0]["warning"]
