@@ -43,7 +43,10 @@ def mlflow_uri(tmp_path_factory) -> str:
 
 
 def env_with(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_"))}
+    # Without make's own variables too: under `make test` a make the test runs would be
+    # `make[1]`, and its messages would differ from what a user sees.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DVC_", "MLFLOW_", "MAKE", "MFLAGS"))}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(GIT_ID)
     env.update(extra)
