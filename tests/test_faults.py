@@ -619,17 +619,35 @@ def test_ctrl_c_in_prepare_is_one_line(tmp_path):
     assert not (w / "data/prepared/train.pt").exists()
 
 
-def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_path):
+def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_path, monkeypatch):
     import threading
 
     path = tmp_path / "big.pt"
     path.write_bytes(b"previous")
-    big = {f"t{i}": torch.zeros(4_000_000) for i in range(12)}
-    threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT)).start()
+    big = {f"t{i}": torch.zeros(1_000_000) for i in range(12)}
+    real_save = torch.save
+
+    class SlowDisk:  # each write takes 50 ms: the Ctrl-C lands mid-write on any machine
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            time.sleep(0.05)
+            return self.f.write(b)
+
+        def flush(self):
+            self.f.flush()
+
+    monkeypatch.setattr(files.torch, "save", lambda obj, f: real_save(obj, SlowDisk(f)))
+    timer = threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
     # Interrupted mid-record, torch.save's zip writer fails with an inline_container.cc
     # RuntimeError: that would mark the MLflow run FAILED, not KILLED.
-    with pytest.raises(KeyboardInterrupt):
-        files.save_torch(path, big)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            files.save_torch(path, big)
+    finally:
+        timer.join()  # never a stray Ctrl-C for the next test
     assert path.read_bytes() == b"previous" and not list(tmp_path.glob(".*tmp*"))
 
 
