@@ -481,8 +481,9 @@ def _refuse_interpolation(value: Any, path: Path, key: str = "") -> None:
                           "value itself")
 
 
-def flatten(params: Params) -> dict[str, Any]:
-    """`train.lr`-style keys, one name per concept from YAML to MLflow."""
+def flatten(params: Params | dict) -> dict[str, Any]:
+    """`train.lr`-style keys, one name per concept from YAML to MLflow (of the checked params,
+    or of a raw params.yaml mapping)."""
     out: dict[str, Any] = {}
 
     def walk(d: dict, prefix: str) -> None:
@@ -492,7 +493,7 @@ def flatten(params: Params) -> dict[str, Any]:
             else:
                 out[f"{prefix}{k}"] = v
 
-    walk(dataclasses.asdict(params), "")
+    walk(params if isinstance(params, dict) else dataclasses.asdict(params), "")
     return out
 
 

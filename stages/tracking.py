@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stages.config import MlflowConfig, repo_root, timed
+from stages.config import MlflowConfig, flatten, repo_root, timed
 from stages.files import file_hash, write_json
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
@@ -138,17 +138,11 @@ def params_changed(path: str = "params.yaml") -> list[str]:
     """`key=value` for each value of params.yaml that differs from the commit's."""
     from omegaconf import OmegaConf
 
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
-        return out
-
     try:
         shown = subprocess.run(["git", "show", f"HEAD:{path}"], capture_output=True, text=True,
                                timeout=10, check=True).stdout
-        before = flat(OmegaConf.to_container(OmegaConf.create(shown)) or {})
-        now = flat(OmegaConf.to_container(OmegaConf.load(path)) or {})
+        before = flatten(OmegaConf.to_container(OmegaConf.create(shown)) or {})
+        now = flatten(OmegaConf.to_container(OmegaConf.load(path)) or {})
     except Exception:  # noqa: BLE001 - no git, no commit, unreadable: the name is only a label
         return []
     return [f"{k}={v}" for k, v in now.items() if before.get(k, object()) != v]

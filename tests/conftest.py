@@ -100,6 +100,18 @@ def copy_repo(dest: Path, params_edit: dict[str, str] | None = None) -> Path:
     return dest
 
 
+def rendered_dom(page: Path, tmp_path: Path) -> str:
+    """The DOM of a local page after headless Chromium ran its scripts; skips without chromium."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        pytest.skip("no chromium: `apt-get install chromium` to render the page")
+    return subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--virtual-time-budget=15000", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120).stdout
+
+
 def set_params(path: Path, values: dict[str, str]) -> None:
     """Edit params.yaml as a user would, keeping its comments: `section.key: value` lines."""
     lines = path.read_text().splitlines()

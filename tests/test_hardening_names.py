@@ -18,7 +18,7 @@ from PIL import Image
 from stages.images import DataError
 from stages.report import plot_confusion, plot_misclassified, write_confusion_csv, write_per_class_csv
 from stages.sources import list_folder
-from tests.conftest import ROOT, copy_repo, env_with, run, set_params
+from tests.conftest import ROOT, copy_repo, env_with, rendered_dom, run, set_params
 from tests.images import make_folder
 from tests.test_faults import one_error_line
 
@@ -207,14 +207,7 @@ def test_the_plots_page_keeps_every_chart_whatever_the_class_names(tmp_path):
     write_per_class_csv(repo / "models/eval/per_class.csv", classification_metrics(logits, y, MARKUP)[1])
     write_confusion_csv(repo / "models/eval/confusion.csv", y, pred, MARKUP)
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env=env_with())
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not chromium:
-        pytest.skip("no chromium: `apt-get install chromium` to render the page")
-    dom = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         "--virtual-time-budget=15000", "--dump-dom", (tmp_path / "plots/index.html").as_uri()],
-        capture_output=True, text=True, timeout=120).stdout
+    dom = rendered_dom(tmp_path / "plots/index.html", tmp_path)
     # All five charts drawn (loss, accuracy, lr, confusion, F1 per class), the images shown, and
     # no label ran as markup.
     assert dom.count('class="marks"') == 5, dom[-3000:]

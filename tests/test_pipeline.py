@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
 
 import pytest
 
 from stages.config import HEAVY_IMPORTS
-from tests.conftest import VENV_BIN, committed, copy_repo, env_with, run, set_params
+from tests.conftest import VENV_BIN, committed, copy_repo, env_with, rendered_dom, run, set_params
 
 pytestmark = pytest.mark.slow
 
@@ -209,14 +208,7 @@ def test_plots_render_offline_in_a_real_browser(repo, tmp_path):
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env=env_with())
     page = (tmp_path / "plots/index.html").read_text()
     assert "cdn.jsdelivr" not in page and "<script src=" not in page  # nothing to fetch
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not chromium:
-        pytest.skip("no chromium: `apt-get install chromium` to render the page")
-    dom = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         "--virtual-time-budget=15000", "--dump-dom", (tmp_path / "plots/index.html").as_uri()],
-        capture_output=True, text=True, timeout=120).stdout
+    dom = rendered_dom(tmp_path / "plots/index.html", tmp_path)
     # Vega-Embed draws each chart into an element of class "marks": loss, accuracy, lr,
     # confusion, F1 per class.
     assert dom.count('class="marks"') == 5, dom[:2000]
