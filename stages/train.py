@@ -10,6 +10,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -155,6 +156,8 @@ class ParamsWatch:
     one workspace: the second writes its params here before DVC refuses it as busy, and the
     first would train on, log and be recorded with the second's values."""
 
+    SETTLE_S = 0.5
+
     def __init__(self, path: Path, started: dict):
         self.path, self.started = path, started
         self.seen = self._stamp()
@@ -166,17 +169,28 @@ class ParamsWatch:
         except OSError:
             return None
 
+    def _diff(self) -> str:
+        try:
+            now = training_params(load_params(self.path))
+            return ", ".join(f"{k}: {v!r} -> {now.get(k)!r}" for k, v in self.started.items()
+                             if now.get(k) != v)
+        except ParamsError as e:
+            return f"it no longer loads: {e}"
+
     def check(self, force: bool = False) -> None:
         stamp = self._stamp()
         if stamp == self.seen and not force:
             return  # a stat per log call; the YAML is parsed only when the file changed
         self.seen = stamp
-        try:
-            now = training_params(load_params(self.path))
-            diff = ", ".join(f"{k}: {v!r} -> {now.get(k)!r}" for k, v in self.started.items()
-                             if now.get(k) != v)
-        except ParamsError as e:
-            diff = f"it no longer loads: {e}"
+        diff = self._diff()
+        # An editor or `dvc exp run -S` truncates then writes: a read in between sees an empty
+        # file, which loads as the defaults. Judge only a file that has stopped changing.
+        while diff:
+            time.sleep(self.SETTLE_S)
+            stamp = self._stamp()
+            if stamp == self.seen:
+                break
+            self.seen, diff = stamp, self._diff()
         if diff:
             raise UserError(f"{self.path} changed while training ({diff}): another `dvc exp "
                             "run` in this workspace wrote its params, and this run would be "

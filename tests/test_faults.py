@@ -565,6 +565,26 @@ def test_params_changed_under_a_training_run_fail_it_naming_the_cause(tmp_path, 
     assert run_info.info.status == "FAILED" and "val/best_acc" not in run_info.data.metrics
 
 
+def test_a_params_file_caught_mid_write_is_not_taken_for_a_change(tmp_path):
+    """CI caught the watch reading params.yaml between the truncate and the write of an edit:
+    the empty file loaded as the defaults, and a run was failed for changes nobody made."""
+    import threading
+
+    from stages.config import UserError, load_params
+    from stages.train import ParamsWatch, training_params
+
+    path = copy_params(tmp_path)
+    set_params(path, {"epochs": "40"})  # not the default, which an empty file loads as
+    text = path.read_text()
+    watch = ParamsWatch(path, training_params(load_params(path)))
+    path.write_text("")  # the editor has truncated; its write lands 0.1 s later
+    threading.Timer(0.1, path.write_text, [text]).start()
+    watch.check()  # raises UserError if it judged the empty file
+    set_params(path, {"lr": "0.01"})
+    with pytest.raises(UserError, match=r"lr: 0\.003 -> 0\.01"):
+        watch.check()
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_train_is_one_line_and_the_run_killed(tmp_path, digits, mlflow_uri):
     import mlflow
