@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share test ui exps lint bench bench-pipeline gpu-check ci-report plots-template
+.PHONY: help setup lock repro verify share test ui exps lint bench bench-pipeline gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -39,13 +39,12 @@ $(STAMP): requirements.lock
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
 
-# Resolved for Linux x86_64 and Python 3.11, the platform the lock installs on. This machine's
-# pip caps torch at the release on its disk: the lock honours the same cap where it is set.
-LOCK_CAP := $(wildcard /etc/xdg/pip/constraints.txt)
+# Resolved for Linux x86_64 and Python 3.11, the platform the lock installs on, under the
+# committed lock-constraints.txt: the same lock on every machine.
 lock: setup ## refresh requirements.lock from pyproject.toml (uv pip compile, with hashes)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --generate-hashes --quiet \
 		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-		$(if $(LOCK_CAP),--constraint $(LOCK_CAP)) --custom-compile-command "make lock" \
+		--constraint lock-constraints.txt --custom-compile-command "make lock" \
 		-o requirements.lock
 
 repro: setup ## run the whole pipeline: prepare, train, evaluate, export
@@ -111,9 +110,12 @@ gpu-check: $(if $(filter command line,$(origin PY)),,setup) ## on a GPU machine:
 	$(PY) -m stages.bench --datasets cifar,digits --rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
 	@grep -qx passed $(GPU_CHECK_OUT)/status || { echo "gpu-check: tests failed, see $(GPU_CHECK_OUT)/tests.txt"; exit 1; }
 
-plots-template: setup ## rebuild .dvc/plots/offline.html (Vega inlined, so plots render offline)
-	$(PY) -m pip install -q 'vl-convert-python==1.9.*'
-	$(PY) .dvc/plots/make_template.py
+# Its tool gets a venv of its own: installed into .venv, it would break the lock's promise.
+PLOTS_VENV := .dvc/tmp/plots-venv
+plots-template: ## rebuild .dvc/plots/offline.html (Vega inlined, so plots render offline)
+	@test -x $(PLOTS_VENV)/bin/python || $(PYTHON) -m venv $(PLOTS_VENV)
+	$(PLOTS_VENV)/bin/python -m pip install -q --require-hashes -r .dvc/plots/requirements.txt
+	$(PLOTS_VENV)/bin/python .dvc/plots/make_template.py
 
 BASE ?= main
 ci-report: setup ## params, metrics and plots of the workspace against BASE (default main), as Markdown
@@ -123,3 +125,8 @@ ci-report: setup ## params, metrics and plots of the workspace against BASE (def
 	@dvc metrics diff $(BASE) --md --all
 	@dvc plots diff $(BASE) -o dvc_plots > /dev/null
 	@echo "Plots: dvc_plots/index.html"
+
+clean: ## remove scratch: checkpoints, rendered plots, bench and test caches (keeps runs, data, DVC cache)
+	rm -rf .checkpoints dvc_plots bench gpu-check .pytest_cache .ruff_cache $(PLOTS_VENV)
+	find . -path ./.venv -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+	@echo "kept: mlflow.db and mlartifacts/ (run history), data/, models/, .dvc/cache (dvc gc prunes it)"

@@ -56,3 +56,32 @@ def test_every_pin_is_exact_and_hashed():
     assert len(lock) > 50 and "torch" in lock
     unhashed = sorted(name for name, e in lock.items() if not e["hashes"])
     assert not unhashed, f"pins without hashes: {unhashed}: {FIX}"
+
+
+def test_the_lock_resolves_under_committed_constraints_only():
+    """`make lock` once read a machine-local pip constraints file: its output then depended on
+    the machine. It names only files in the repo."""
+    header = (ROOT / "requirements.lock").read_text().split("\n\n")[0]
+    makefile = (ROOT / "Makefile").read_text()
+    lock_rule = makefile[makefile.index("\nlock:"):].split("\n\n")[0]
+    constraints = re.findall(r"--constraint (\S+)", lock_rule)
+    assert constraints == ["lock-constraints.txt"] and (ROOT / constraints[0]).is_file(), lock_rule
+    assert "/etc/" not in lock_rule and "wildcard" not in lock_rule, lock_rule
+    assert "-c lock-constraints.txt" in (ROOT / "requirements.lock").read_text(), header
+
+
+def test_make_clean_removes_scratch_and_keeps_runs_data_and_models(tmp_path):
+    from tests.conftest import copy_repo, run
+
+    repo = copy_repo(tmp_path / "repo")
+    scratch = [".checkpoints/abc/epoch-0001.pt", "dvc_plots/index.html", "bench/results.csv",
+               "stages/__pycache__/x.pyc", ".pytest_cache/v"]
+    kept = ["mlflow.db", "mlartifacts/1/x", "data/prepared/train.pt", "models/train/model.pt",
+            ".dvc/cache/files/md5/ab/cdef"]
+    for f in scratch + kept:
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text("x")
+    p = run(["make", "clean"], repo)
+    assert not [f for f in scratch if (repo / f).exists()], p.stdout
+    assert all((repo / f).exists() for f in kept) and "kept: mlflow.db" in p.stdout
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""  # nothing tracked went
