@@ -31,11 +31,13 @@ from typing import Any, Union
 
 from omegaconf import OmegaConf
 
-# The choices of data.source and model.arch: the registries sources.SOURCES and models.ARCHS
-# hold the code for each name (a test keeps them equal). Only the names live here, so checking
-# params.yaml needs no model or data code, and a model change never reruns prepare.
+# The choices of data.source, model.arch and train.schedule: the registries sources.SOURCES,
+# models.ARCHS and optim.SCHEDULES hold the code for each name (a test keeps them equal). Only
+# the names live here, so checking params.yaml needs no model or data code, and a model change
+# never reruns prepare.
 SOURCES = ("digits", "folder", "cifar10", "mnist", "fashion_mnist")
 ARCHS = ("cnn", "resnet18")
+SCHEDULES = ("cosine", "step", "plateau", "constant")
 
 # The pipeline's folders, as dvc.yaml names them (a test checks).
 PREPARED = Path("data/prepared")
@@ -252,7 +254,7 @@ class TrainConfig:
                  "true (Inductor then picks eager kernels); set train.deterministic: false to "
                  "autotune, or train.compile: true")
         _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
-        _choice("train.schedule", self.schedule, ("cosine", "step", "plateau", "constant"))
+        _choice("train.schedule", self.schedule, SCHEDULES)
         _choice("train.resume", self.resume, ("auto", "never"))
         _require(self.nproc_per_node == "auto" or (isinstance(self.nproc_per_node, int)
                  and self.nproc_per_node >= 1), "train.nproc_per_node", self.nproc_per_node,

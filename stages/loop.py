@@ -168,7 +168,7 @@ def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[flo
     plan = plan_batches(len(train_split.y), batch_size, world, cfg.accumulate)
     batches = batch_source(loader, train_split, plan, setup, rank)
     parts = wrap(model, setup, lr)
-    schedule = Schedule.from_config(cfg, lr, plan.steps_per_epoch, epochs)
+    schedule = Schedule(cfg, lr, plan.steps_per_epoch, epochs)
     state = restore(resume, parts, schedule, setup, rank) if resume is not None else LoopState()
     guard = NonFiniteGuard(setup.device, world > 1)
     show_bar = (sys.stderr.isatty() if progress is None else progress) and rank == 0

@@ -1,12 +1,13 @@
 """The optimizer, the weight average (EMA) and the learning-rate schedule. A new schedule: a
-branch in `Schedule.lr_at` (or `end_epoch`, if it reacts to validation) and its name in
-`TrainConfig`'s choices."""
+function in `SCHEDULES` (or a branch in `Schedule.end_epoch`, if it reacts to validation), its
+name in `config.SCHEDULES` (a test keeps the two equal); its settings go in `TrainConfig`."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,50 +75,58 @@ class EMA:
         self.updates = state["updates"]
 
 
+def _cosine(s: Schedule, step: int) -> float:
+    progress = (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps - 1)
+    return s.cfg.min_lr + (s.lr - s.cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _step(s: Schedule, step: int) -> float:
+    return s.lr * s.cfg.step_gamma ** (step // (s.cfg.step_epochs * s.steps_per_epoch))
+
+
+def _constant(s: Schedule, step: int) -> float:
+    return s.lr
+
+
+# `train.schedule` names an entry: the rate after warmup of optimizer step `step`. `plateau` is
+# constant until validation stalls (`Schedule.end_epoch`).
+SCHEDULES: dict[str, Callable[[Schedule, int], float]] = {
+    "cosine": _cosine, "step": _step, "plateau": _constant, "constant": _constant,
+}
+
+
 @dataclass
 class Schedule:
-    """The learning rate of every optimizer step: linear warmup, then cosine, step or constant;
-    `plateau` cuts it by a factor whenever validation stalls. That factor is its only state."""
+    """The learning rate of every optimizer step: linear warmup, then the `train.schedule`
+    entry of SCHEDULES, times the plateau cuts so far (its only state)."""
 
+    cfg: TrainConfig
     lr: float
-    kind: str  # train.schedule
-    total_steps: int
-    warmup_steps: int
     steps_per_epoch: int
-    min_lr: float = 0.0
-    step_epochs: int = 10
-    step_gamma: float = 0.1
-    plateau_patience: int = 2
-    plateau_factor: float = 0.5
-    scale: float = 1.0  # the product of the plateau cuts so far
+    epochs: int
+    scale: float = 1.0
 
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, lr: float, steps_per_epoch: int,
-                    epochs: int) -> Schedule:
-        return cls(lr=lr, kind=cfg.schedule, total_steps=steps_per_epoch * epochs,
-                   warmup_steps=round(cfg.warmup_epochs * steps_per_epoch),
-                   steps_per_epoch=steps_per_epoch, min_lr=cfg.min_lr,
-                   step_epochs=cfg.step_epochs, step_gamma=cfg.step_gamma,
-                   plateau_patience=cfg.plateau_patience, plateau_factor=cfg.plateau_factor)
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    @property
+    def warmup_steps(self) -> int:
+        return round(self.cfg.warmup_epochs * self.steps_per_epoch)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based)."""
         if step < self.warmup_steps:
             base = self.lr * (step + 1) / self.warmup_steps
-        elif self.kind == "cosine":
-            progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps - 1)
-            base = self.min_lr + (self.lr - self.min_lr) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        elif self.kind == "step":
-            base = self.lr * self.step_gamma ** (step // (self.step_epochs * self.steps_per_epoch))
-        else:  # constant, plateau
-            base = self.lr
+        else:
+            base = SCHEDULES[self.cfg.schedule](self, step)
         return base * self.scale
 
     def end_epoch(self, epochs_without_improvement: int) -> None:
         """Plateau: cut the rate after every `plateau_patience` epochs without improvement."""
-        stalled = epochs_without_improvement
-        if self.kind == "plateau" and stalled and stalled % self.plateau_patience == 0:
-            self.scale *= self.plateau_factor
+        stalled, patience = epochs_without_improvement, self.cfg.plateau_patience
+        if self.cfg.schedule == "plateau" and stalled and stalled % patience == 0:
+            self.scale *= self.cfg.plateau_factor
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}

@@ -71,3 +71,28 @@ def test_the_code_writes_where_dvc_yaml_says():
     assert {str(Path(o).parent) for o in outs["evaluate"]} == {str(config.EVAL_DIR)}
     assert outs["export"] == [str(config.EXPORT_DIR)]
     assert str(config.PREPARED) in stages["train"]["deps"]
+
+
+# The params keys no training reads, and the stage that declares each (mlflow: none, since
+# where a run is logged changes no output). Every other key decides the weights.
+NOT_TRAINING = {"data": "prepare", "eval": "evaluate", "export": "export", "mlflow": None}
+
+
+def test_every_params_key_is_declared_by_the_stages_it_decides():
+    """A new top-level key must reach train's dvc.yaml params and TRAINING_KEYS (the
+    checkpoint folder's key), or be classed here as another stage's: missed, DVC restores
+    stale weights and a checkpoint resumes across different values."""
+    import dataclasses
+
+    from stages.train import TRAINING_KEYS
+
+    keys = [f.name for f in dataclasses.fields(config.Params)]
+    training = [k for k in keys if k not in NOT_TRAINING]
+    assert sorted(k.rstrip(".") for k in TRAINING_KEYS) == sorted(training), \
+        "a params key is neither in stages/train.py's TRAINING_KEYS nor in NOT_TRAINING here"
+    assert sorted(dvc_stages()["train"]["params"]) == sorted(training), \
+        "dvc.yaml's train params differ from the keys that decide the weights"
+    for key, stage in NOT_TRAINING.items():
+        assert key in keys, f"NOT_TRAINING names {key}, which Params no longer has"
+        if stage:
+            assert key in dvc_stages()[stage]["params"], f"dvc.yaml: add {key} to {stage}'s params"

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from stages.checkpoints import latest_checkpoint
+from stages.config import TrainConfig
 from stages.loop import NonFiniteLossError
 from stages.optim import Schedule
 from stages.runtime import peak_mem_mb, proc_status_mb, reset_peak_mem
@@ -25,9 +26,14 @@ def test_accumulation_equals_the_full_batch(digits, n):
     assert max_diff(full, untrained) > 1e-3  # it did train
 
 
+def schedule(kind: str, warmup_epochs: float = 1.0, **settings) -> Schedule:
+    """100 steps: 10 epochs of 10."""
+    cfg = TrainConfig(schedule=kind, warmup_epochs=warmup_epochs, **settings)
+    return Schedule(cfg, lr=1.0, steps_per_epoch=10, epochs=10)
+
+
 def test_warmup_and_cosine_endpoints():
-    s = Schedule(lr=1.0, kind="cosine", total_steps=100, warmup_steps=10, steps_per_epoch=10,
-                 min_lr=0.01, step_epochs=3, step_gamma=0.1)
+    s = schedule("cosine", min_lr=0.01)
     assert s.lr_at(0) == pytest.approx(0.1)
     assert s.lr_at(9) == pytest.approx(1.0)  # warmup ends at the peak
     assert s.lr_at(10) == pytest.approx(1.0)  # cosine starts at the peak
@@ -35,21 +41,21 @@ def test_warmup_and_cosine_endpoints():
     assert s.lr_at(10 + 89 / 2) == pytest.approx((1.0 + 0.01) / 2)
     lrs = [s.lr_at(i) for i in range(10, 100)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
-    assert dataclasses.replace(s, warmup_steps=0).lr_at(0) == pytest.approx(1.0)
-    step = dataclasses.replace(s, kind="step", warmup_steps=0)
+    assert schedule("cosine", warmup_epochs=0).lr_at(0) == pytest.approx(1.0)
+    step = schedule("step", warmup_epochs=0, step_epochs=3, step_gamma=0.1)
     assert [step.lr_at(i) for i in (0, 29, 30, 60)] == pytest.approx([1.0, 1.0, 0.1, 0.01])
+    assert schedule("constant").lr_at(77) == 1.0
 
 
 def test_plateau_cuts_after_each_patience_of_stalled_epochs_and_resumes_its_cut():
-    s = Schedule(lr=1.0, kind="plateau", total_steps=100, warmup_steps=0, steps_per_epoch=10,
-                 plateau_patience=2, plateau_factor=0.5)
+    s = schedule("plateau", warmup_epochs=0, plateau_patience=2, plateau_factor=0.5)
     for stalled in (0, 1, 2, 3, 4):  # cuts at 2 and 4 epochs without improvement
         s.end_epoch(stalled)
     assert s.lr_at(50) == pytest.approx(0.25)
     resumed = dataclasses.replace(s, scale=1.0)
     resumed.load_state_dict(s.state_dict())
     assert resumed.lr_at(50) == s.lr_at(50)
-    cosine = dataclasses.replace(s, kind="cosine", scale=1.0)
+    cosine = schedule("cosine")
     cosine.end_epoch(2)  # only plateau reacts to validation
     assert cosine.scale == 1.0
 
