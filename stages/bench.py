@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from stages.config import PREPARED, ArgumentParser, DataConfig, TrainConfig, load_params, positive_int
+from stages.cli import ArgumentParser, positive_int
+from stages.config import PREPARED, DataConfig, TrainConfig, load_params
 from stages.data import Split, load_meta, load_split
 from stages.files import atomic_write, write_json, write_text
 from stages.loop import train

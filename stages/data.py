@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from stages.config import UserError
+from stages.cli import UserError
 from stages.files import save_torch, write_json
 
 SPLITS = ("train", "val", "test")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from stages import tracking
-from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params, run_stage
+from stages.cli import run_stage
+from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
 from stages.data import load_meta, load_split
 from stages.files import write_json
 from stages.models import load_trained

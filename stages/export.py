@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from stages import tracking
+from stages.cli import UserError, run_stage
 from stages.config import (
     EVAL_DIR,
     EXPORT_DIR,
@@ -21,10 +22,8 @@ from stages.config import (
     PREPARED,
     TRAIN_DIR,
     ParamsError,
-    UserError,
     flatten,
     load_params,
-    run_stage,
 )
 from stages.data import load_meta, load_split, normalize
 from stages.files import atomic_write, atomic_write_all

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from stages.config import UserError
+from stages.cli import UserError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 # The largest image file read: each is read whole (hashed, then decoded), in every worker at

@@ -35,7 +35,8 @@ from stages.batches import (
     windows,
 )
 from stages.checkpoints import CheckpointError, save_checkpoint
-from stages.config import TrainConfig, UserError
+from stages.cli import UserError
+from stages.config import TrainConfig
 from stages.data import Split, normalize
 from stages.optim import EMA, Schedule, build_optimizer
 from stages.runtime import (

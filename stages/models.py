@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from stages.config import ModelConfig, UserError
+from stages.cli import UserError
+from stages.config import ModelConfig
 from stages.files import verify_digest
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.config import ArgumentParser, DataConfig, ParamsError, positive_int, run_stage
+from stages.cli import ArgumentParser, positive_int, run_stage
+from stages.config import DataConfig, ParamsError
 from stages.images import DataError, decode_image, image_files
 
 MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stages.config import PREPARED, ArgumentParser, load_params, run_stage
+from stages.cli import ArgumentParser, run_stage
+from stages.config import PREPARED, load_params
 from stages.data import save_prepared
 from stages.files import write_csv
 from stages.sources import SOURCES, build_meta, list_folder

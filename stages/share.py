@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from ruamel.yaml import YAML
 
-from stages.config import UserError, run_stage
+from stages.cli import UserError, run_stage
 
 
 class ShareError(UserError):

@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stages.config import MlflowConfig, flatten, repo_root, timed
+from stages.cli import timed
+from stages.config import MlflowConfig, flatten, repo_root
 from stages.files import file_hash, write_json
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.

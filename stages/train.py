@@ -24,18 +24,16 @@ from stages.checkpoints import (
     remove_run,
     tidy_other_runs,
 )
+from stages.cli import STAGE_TIMES, UserError, run_stage
 from stages.config import (
     PREPARED,
-    STAGE_TIMES,
     TRAIN_DIR,
     Params,
     ParamsError,
-    UserError,
     flatten,
     load_params,
     params_hash,
     repo_root,
-    run_stage,
 )
 from stages.data import load_meta, load_split
 from stages.files import save_torch_verified, write_csv, write_json

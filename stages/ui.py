@@ -20,7 +20,8 @@ import urllib.request
 from pathlib import Path
 
 from stages import tracking
-from stages.config import ArgumentParser, UserError, load_params, positive_int, run_stage
+from stages.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.config import load_params
 
 
 def answers(url: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from stages.config import UserError, run_stage
+from stages.cli import UserError, run_stage
 
 
 class NotReproduced(UserError):

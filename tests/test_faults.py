@@ -570,7 +570,8 @@ def test_a_params_file_caught_mid_write_is_not_taken_for_a_change(tmp_path):
     the empty file loaded as the defaults, and a run was failed for changes nobody made."""
     import threading
 
-    from stages.config import UserError, load_params
+    from stages.cli import UserError
+    from stages.config import load_params
     from stages.train import ParamsWatch, training_params
 
     path = copy_params(tmp_path)

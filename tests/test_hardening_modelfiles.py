@@ -69,7 +69,7 @@ def edit_json(path, **changes):
 def refused(*argv) -> str:
     """predict run in this process (an interpreter start per case would cost seconds): the user
     error it ends with, which run_stage prints as its one `error:` line."""
-    from stages.config import UserError
+    from stages.cli import UserError
     from stages.predict import main
 
     with pytest.raises(UserError) as e:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from stages.config import HEAVY_IMPORTS
+from stages.cli import HEAVY_IMPORTS
 from tests.conftest import VENV_BIN, committed, copy_repo, env_with, rendered_dom, run, set_params
 
 pytestmark = pytest.mark.slow

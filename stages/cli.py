@@ -1,0 +1,123 @@
+"""How a stage runs as a command: one-line errors and exit codes, a fast exit, timings for the
+pipeline bench, and argparse helpers.
+
+Nothing here writes or changes an output, so no stage lists this module in dvc.yaml: editing
+an error message or a CLI helper reruns nothing (tests/test_dvc_yaml.py keeps it that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class UserError(Exception):
+    """A problem the user can fix: a stage prints its message, not a traceback, and exits 1."""
+
+
+
+# Where a stage's time goes, for `python -m stages.bench --pipeline`: seconds in MLflow calls
+# (imports included) and in the training loop; the rest of `main` is the stage's own work.
+STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
+# Libraries that cost a second or more to import: which of them a stage loaded.
+HEAVY_IMPORTS = ("sklearn", "scipy", "torch._dynamo", "torch._inductor", "torch.onnx", "mlflow",
+                 "matplotlib", "onnxruntime", "torchvision")
+
+
+_timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
+
+
+@contextmanager
+def timed(phase: str) -> Iterator[None]:
+    if phase in _timing:
+        yield
+        return
+    start = time.perf_counter()
+    _timing.add(phase)
+    try:
+        yield
+    finally:
+        _timing.discard(phase)
+        STAGE_TIMES[phase] += time.perf_counter() - start
+
+
+def run_stage(main: Callable[[], None]) -> None:
+    """A stage's entry point: a user error, a missing input or a full disk ends it with one
+    line that says what to do."""
+    entered = time.time()
+    try:
+        main()
+    except (UserError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        # Ctrl-C is a choice, not a crash: one line, and the shell's 130.
+        print("error: interrupted (Ctrl-C); outputs are unchanged or complete, never half "
+              "written; rerun to continue (training resumes from its last checkpoint)",
+              file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    except OSError as e:
+        from stages.files import WRITE_ERRORS
+
+        if e.errno not in WRITE_ERRORS:
+            raise
+        sys.exit(f"error: {e.strerror}" + (f": {e.filename}" if e.filename else ""))
+    if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
+        record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
+                  "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
+                  **STAGE_TIMES, "imported": [m for m in HEAVY_IMPORTS if m in sys.modules]}
+        with open(os.environ["REPROTRAIN_TIMINGS"], "a") as f:
+            f.write(json.dumps(record) + "\n")
+    exit_now()
+
+
+def exit_now() -> typing.NoReturn:
+    """End a finished stage without the interpreter's teardown, which spends 1-2 s per stage
+    freeing torch's and MLflow's thousands of modules and writes nothing: every output is
+    already closed and renamed. What a normal exit does that matters is done first, in its
+    order: wait for threads, run the exit handlers (logging, multiprocessing, MLflow's queue),
+    flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
+    with no public equivalent): `threading._shutdown` also stops idle thread pools, which a
+    plain join of every thread would wait on forever."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    code = 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: started with the stream closed
+                stream.flush()
+        except BrokenPipeError:
+            code = 120  # what the interpreter returns when its final flush fails
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other error (exit code 2)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
