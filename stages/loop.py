@@ -239,7 +239,7 @@ def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
         device = torch.device("cuda", torch.cuda.current_device())
     set_backends(cfg.deterministic)
     # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout
-    # transposes; it pays together with bf16 (README "How fast").
+    # transposes; it pays together with bf16 (docs/performance.md).
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     overfit = cfg.overfit_batches > 0
     return Setup(cfg, device, resolve_precision(cfg.precision, device), fmt,

@@ -24,7 +24,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float,
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # Fused kernels update every parameter in one pass instead of a loop of small ops (several
-    # times faster per step, see README "How fast").
+    # times faster per step, see docs/performance.md).
     fused = True if device.type in ("cuda", "cpu") else None
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr, fused=fused)

@@ -70,7 +70,7 @@ def test_repro_writes_every_output(repo):
 
 
 def test_no_stage_imports_a_heavy_library_it_does_not_use(repo):
-    """Each import costs a second or more of every experiment (README "How fast")."""
+    """Each import costs a second or more of every experiment (docs/performance.md)."""
     records = [json.loads(line) for line in
                (repo / ".dvc/tmp/stage-timings.jsonl").read_text().splitlines()]
     imported = {r["stage"]: set(r["imported"]) for r in records}
