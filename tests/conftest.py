@@ -147,13 +147,36 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
-# Seconds per module under `make test` (2-core VM, 2026-11-30): the longest start first (`make
-# test` keeps this order with --no-loadscope-reorder), so the two workers end together instead
-# of one starting the 3-minute workflow test when the other is nearly done.
-MODULE_SECONDS = {"test_faults.py": 390, "test_pipeline.py": 340, "test_workflows.py": 190,
-                  "test_predict.py": 76, "test_cuda_path.py": 65, "test_distributed.py": 50,
-                  "test_resume.py": 45, "test_bench.py": 40, "test_byod.py": 36}
+# `make test` runs modules longest first (it keeps this order with --no-loadscope-reorder), so
+# the two workers end together instead of one starting the 3-minute workflow test when the
+# other is nearly done. The seconds are the last run's, kept in pytest's cache; a first run
+# (a fresh clone, CI) starts the modules with the most `slow` tests first.
+DURATIONS_KEY = "reprotrain/module_seconds"
+_seconds: dict[str, float] = {}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
+    last = cache.get(DURATIONS_KEY, None) if cache else None
+    if last:
+        items.sort(key=lambda item: -last.get(item.path.name, 0.0))
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.path.name] = slow.get(item.path.name, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path.name])
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    name = Path(report.nodeid.split("::")[0]).name
+    _seconds[name] = _seconds.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """On the controller (xdist workers report to it), after a whole run only: a `-k` or
+    single-file run would make every other module look free."""
+    config = session.config
+    whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+             and not config.option.keyword and not config.option.markexpr)
+    if getattr(config, "cache", None) and _seconds and not hasattr(config, "workerinput") and whole:
+        config.cache.set(DURATIONS_KEY, {k: round(v, 1) for k, v in sorted(_seconds.items())})

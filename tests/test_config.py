@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from stages.config import Params, ParamsError, flatten, load_params
-from tests.conftest import ROOT, committed, copy_params
+from tests.conftest import ROOT, committed, copy_params, set_params
 
 
 def write(tmp_path, text: str):
@@ -79,10 +79,22 @@ def test_missing_file_says_where_to_run(tmp_path):
         load_params(tmp_path / "nope.yaml")
 
 
-def test_flatten_names_match_yaml():
-    flat = flatten(Params())
-    assert flat["train.warmup_epochs"] == Params().train.warmup_epochs
-    assert flat["lr"] == Params().lr
+def test_flatten_names_match_yaml(tmp_path):
+    """The dotted names MLflow, DVC's -S and the checkpoint key use are the YAML's own paths:
+    checked against the file as YAML reads it, not against the schema."""
+    import yaml
+
+    def leaves(node: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in node.items():
+            out |= leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}
+        return out
+
+    path = copy_params(tmp_path)
+    set_params(path, {"train.warmup_epochs": "2.5", "model.width": "48"})  # not the defaults
+    flat = flatten(load_params(path))
+    assert flat == leaves(yaml.safe_load(path.read_text()))
+    assert flat["train.warmup_epochs"] == 2.5 and flat["model.width"] == 48
     assert all(not dataclasses.is_dataclass(v) for v in flat.values())
 
 

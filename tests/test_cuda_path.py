@@ -1,10 +1,9 @@
-"""The CUDA path's findings (issue 15), each shown on the CPU where its mechanism exists here:
+"""The CUDA path's findings, each shown on the CPU where its mechanism exists here:
 GradScaler and fused optimizers run on the CPU, DDP runs between gloo processes. What only a GPU
 can show is in tests/test_gpu.py (`make gpu-check`)."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 import warnings
@@ -20,32 +19,20 @@ from stages.data import Split
 from stages.loop import train
 from stages.optim import EMA, build_optimizer
 from stages.runtime import predict
-from tests.training import CPU_FP32, cnn, fit, fit_ckpt, linear_model, same_weights
+from tests.training import (
+    CPU_FP32,
+    InfGradOnce,
+    cnn,
+    fit,
+    fit_ckpt,
+    linear_model,
+    same_weights,
+    sgd_step,
+    uninitialized_memory_is_nan,
+)
 
 
-@contextlib.contextmanager
-def uninitialized_memory_is_nan():
-    """torch.empty and friends fill NaN: memory nobody initialized shows, deterministically."""
-    before = torch.are_deterministic_algorithms_enabled(), \
-        torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = before[1]
-
-
-def sgd_step(model, opt, scaler, x, y, blow_up: float = 1.0) -> None:
-    loss = nn.functional.cross_entropy(model(x), y) * blow_up
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-
-
-def test_1_fused_sgd_momentum_starts_at_zero_when_loss_scaling_skips_the_first_step():
+def test_fused_sgd_momentum_starts_at_zero_when_loss_scaling_skips_the_first_step():
     cfg = TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0)
     x, y = torch.randn(8, 1, 16, 16), torch.arange(8) % 10
     model, reference = linear_model(), linear_model()
@@ -65,23 +52,8 @@ def test_1_fused_sgd_momentum_starts_at_zero_when_loss_scaling_skips_the_first_s
     assert same_weights(model, reference)
 
 
-class InfGradOnce(nn.Module):
-    """A real model whose first backward pass produces non-finite gradients (an fp16 overflow)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner, self.fired = inner, False
-
-    def forward(self, x):
-        out = self.inner(x)
-        if self.training and not self.fired:
-            self.fired = True
-            out.register_hook(lambda g: g * math.inf)
-        return out
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_11_a_skipped_fp16_step_trains_on_and_its_inf_norm_is_not_averaged(digits, optimizer):
+def test_a_skipped_fp16_step_trains_on_and_its_inf_norm_is_not_averaged(digits, optimizer):
     result = fit(InfGradOnce(linear_model()), digits, epochs=2, precision="fp16",
                  optimizer=optimizer)
     norms = [r["grad_norm"] for r in result.history]
@@ -89,7 +61,7 @@ def test_11_a_skipped_fp16_step_trains_on_and_its_inf_norm_is_not_averaged(digit
     assert result.history[-1]["val_acc"] > 0.5  # momentum did not start from garbage
 
 
-def test_5_validation_keeps_each_batch_when_the_model_reuses_its_output_memory(digits):
+def test_validation_keeps_each_batch_when_the_model_reuses_its_output_memory(digits):
     """A CUDA-graph replay writes every call's output into the same memory, as this does."""
 
     class ReusesOutput(nn.Module):
@@ -111,7 +83,7 @@ def test_5_validation_keeps_each_batch_when_the_model_reuses_its_output_memory(d
                        predict(model, splits["val"], mean, std, **args))
 
 
-def test_6_ema_matches_torch_averaged_model_without_a_device_counter(digits):
+def test_ema_matches_torch_averaged_model_without_a_device_counter(digits):
     model = cnn()
     ours = EMA(model, 0.9)
     theirs = torch.optim.swa_utils.AveragedModel(
@@ -138,7 +110,7 @@ def test_6_ema_matches_torch_averaged_model_without_a_device_counter(digits):
 
 
 @pytest.mark.parametrize("before, after", [("fp16", "fp32"), ("fp32", "fp16")])
-def test_9_resume_across_a_change_of_resolved_precision_warns_and_goes_on(digits, tmp_path,
+def test_resume_across_a_change_of_resolved_precision_warns_and_goes_on(digits, tmp_path,
                                                                          before, after):
     fit_ckpt(cnn(), digits, tmp_path, epochs=1, precision=before)
     state = latest_checkpoint(tmp_path)
@@ -148,7 +120,7 @@ def test_9_resume_across_a_change_of_resolved_precision_warns_and_goes_on(digits
     assert result.epochs_run == 2 and math.isfinite(result.history[-1]["val_loss"])
 
 
-def test_10_deterministic_refuses_a_compile_mode_it_would_silently_turn_off():
+def test_deterministic_refuses_a_compile_mode_it_would_silently_turn_off():
     from stages.config import ParamsError
 
     with pytest.raises(ParamsError, match="train.compile='max-autotune'.*deterministic: false"):
@@ -195,7 +167,7 @@ def ddp(tmp_path, name: str, data: dict, resume_epoch: int = 0) -> list[dict]:
     return [torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1)]
 
 
-def test_2_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_would(digits,
+def test_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_would(digits,
                                                                                     tmp_path):
     splits, meta = digits
     data = {"train": Split(splits["train"].x[:256], splits["train"].y[:256]),
@@ -211,7 +183,7 @@ def test_2_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_w
         assert torch.equal(resumed[rank]["draw"], full[rank]["draw"])
 
 
-def test_4_every_rank_takes_rank_0s_validation_figures_and_decisions(digits, tmp_path):
+def test_every_rank_takes_rank_0s_validation_figures_and_decisions(digits, tmp_path):
     """Validation that differs between processes (here: other images on rank 1; on GPUs, one
     ULP from per-process cudnn tuning) must not split the best-epoch, plateau and early
     stopping decisions."""

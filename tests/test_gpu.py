@@ -1,5 +1,5 @@
-"""What only a GPU can show about the CUDA path (issue 15: findings 1, 2, 3, 5, 6, 7, 8, 11):
-`make gpu-check` runs these on the first machine with a GPU. Every test skips without CUDA."""
+"""What only a GPU can show about the CUDA path: `make gpu-check` runs these on the first
+machine with a GPU. Every test skips without CUDA."""
 
 from __future__ import annotations
 
@@ -15,20 +15,28 @@ from stages.config import TrainConfig
 from stages.optim import EMA, build_optimizer
 from stages.runtime import resolve_precision
 from tests.conftest import ROOT, copy_params
-from tests.test_cuda_path import InfGradOnce, sgd_step, uninitialized_memory_is_nan
-from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
+from tests.training import (
+    InfGradOnce,
+    cnn,
+    fit,
+    fit_ckpt,
+    linear_model,
+    same_weights,
+    sgd_step,
+    uninitialized_memory_is_nan,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA = dict(device="cuda", loader="device")
 
 
-def test_7_auto_precision_is_bf16_only_where_the_gpu_has_it_natively():
+def test_auto_precision_is_bf16_only_where_the_gpu_has_it_natively():
     cap = torch.cuda.get_device_capability()
     expected = "bf16" if cap[0] >= 8 else "fp16"  # T4 (7.5) and V100 (7.0) only emulate bf16
     assert resolve_precision("auto", torch.device("cuda")) == expected, (cap, expected)
 
 
-def test_1_fused_sgd_on_cuda_with_fp16_scaling_survives_an_overflowed_first_step():
+def test_fused_sgd_on_cuda_with_fp16_scaling_survives_an_overflowed_first_step():
     cuda = torch.device("cuda")
     cfg = TrainConfig(optimizer="sgd", momentum=0.9, weight_decay=0.0)
     model = linear_model().to(cuda)
@@ -43,7 +51,7 @@ def test_1_fused_sgd_on_cuda_with_fp16_scaling_survives_an_overflowed_first_step
                for p in model.parameters())
 
 
-def test_6_ema_update_never_waits_for_the_gpu():
+def test_ema_update_never_waits_for_the_gpu():
     model = cnn().cuda()
     ema = EMA(model, 0.99)
     torch.cuda.set_sync_debug_mode("error")  # any host-device synchronization raises
@@ -56,7 +64,7 @@ def test_6_ema_update_never_waits_for_the_gpu():
     assert same_weights(ema.module, model)
 
 
-def test_8_peak_memory_resets_before_anything_initialized_cuda():
+def test_peak_memory_resets_before_anything_initialized_cuda():
     code = ("import torch; from stages.runtime import reset_peak_mem, peak_mem_mb; "
             "d = torch.device('cuda:0'); assert reset_peak_mem(d); print(peak_mem_mb(d))")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -71,14 +79,14 @@ def test_cuda_training_with_auto_precision_on_both_loaders(digits, loader):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_11_fp16_training_skips_an_overflowed_step_and_logs_finite_norms(digits, optimizer):
+def test_fp16_training_skips_an_overflowed_step_and_logs_finite_norms(digits, optimizer):
     result = fit(InfGradOnce(cnn()), digits, epochs=2, precision="fp16", optimizer=optimizer,
                  **CUDA)
     assert all(math.isfinite(r["grad_norm"]) for r in result.history)
     assert result.history[-1]["val_acc"] > 0.5
 
 
-def test_5_cuda_graphs_train_with_accumulation_and_validate(digits):
+def test_cuda_graphs_train_with_accumulation_and_validate(digits):
     # fp32: an output that is not copied would be the graph's own memory (bf16 casts copy).
     result = fit(cnn(), digits, epochs=2, compile="reduce-overhead", accumulate=2,
                  deterministic=False, precision="fp32", **CUDA)
@@ -89,7 +97,7 @@ def test_5_cuda_graphs_train_with_accumulation_and_validate(digits):
     assert abs(result.history[-1]["val_acc"] - eager.history[-1]["val_acc"]) < 0.05
 
 
-def test_2_a_resumed_cuda_run_ends_bitwise_where_an_uninterrupted_one_does(digits, tmp_path):
+def test_a_resumed_cuda_run_ends_bitwise_where_an_uninterrupted_one_does(digits, tmp_path):
     full = fit_ckpt(cnn(), digits, tmp_path / "full", epochs=3, **CUDA)
     part = tmp_path / "part"
     fit_ckpt(cnn(), digits, part, epochs=3, **CUDA)
@@ -119,7 +127,7 @@ def test_the_stage_under_torchrun_with_one_process_on_cuda(tmp_path, digits, mlf
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_3_two_nccl_processes_train_the_stage(tmp_path, digits, mlflow_uri):
+def test_two_nccl_processes_train_the_stage(tmp_path, digits, mlflow_uri):
     import json
 
     from stages.data import save_prepared

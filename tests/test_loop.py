@@ -143,10 +143,14 @@ def test_overfit_mode_learns_its_batches(digits):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_reduced_precision_paths_train(digits, precision):
+    """Each reduced precision trains as fp32 does: the same loss curve to a tolerance that
+    bf16's 8-bit mantissa leaves (a broken scaler or autocast misses it by far)."""
     result = fit(cnn(), digits, n=256, epochs=2, precision=precision)
+    reference = fit(cnn(), digits, n=256, epochs=2, precision="fp32")
     assert result.precision == precision
-    assert all(math.isfinite(r["train_loss"]) for r in result.history)
-    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"] * 1.5
+    losses = [r["train_loss"] for r in result.history]
+    assert losses[-1] < 0.95 * losses[0], losses  # it learns
+    assert losses == pytest.approx([r["train_loss"] for r in reference.history], abs=0.01)
 
 
 def test_ema_label_smoothing_and_sgd_run(digits):

@@ -186,8 +186,11 @@ def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
 
 
 def test_exp_run_rejects_unknown_key(repo):
+    before = (repo / "params.yaml").read_bytes()
     p = run(["dvc", "exp", "run", "-S", "no_such_key=1"], repo, env=env_with(), check=False)
-    assert p.returncode != 0
+    assert p.returncode != 0 and "no_such_key" in p.stderr, p.stderr
+    assert "Running stage" not in p.stdout and "Ran experiment" not in p.stdout, p.stdout
+    assert (repo / "params.yaml").read_bytes() == before
 
 
 def test_a_typo_through_dvcs_own_hint_still_fails(repo):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 from torch import nn
 
@@ -50,3 +53,40 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((x - y).abs().max().item() for x, y in
                zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@contextlib.contextmanager
+def uninitialized_memory_is_nan():
+    """torch.empty and friends fill NaN: memory nobody initialized shows, deterministically."""
+    before = torch.are_deterministic_algorithms_enabled(), \
+        torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
+
+
+def sgd_step(model, opt, scaler, x, y, blow_up: float = 1.0) -> None:
+    loss = nn.functional.cross_entropy(model(x), y) * blow_up
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+class InfGradOnce(nn.Module):
+    """A real model whose first backward pass produces non-finite gradients (an fp16 overflow)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner, self.fired = inner, False
+
+    def forward(self, x):
+        out = self.inner(x)
+        if self.training and not self.fired:
+            self.fired = True
+            out.register_hook(lambda g: g * math.inf)
+        return out
