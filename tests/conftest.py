@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -136,6 +137,42 @@ def tiny_train_cfg():
     from stages.config import TrainConfig
 
     return TrainConfig(warmup_epochs=0.5, log_every=1000)
+
+
+# The fault tests' models (tests/workspaces.py has their other helpers).
+@pytest.fixture
+def exported(tmp_path, digits):
+    """What export writes, for a small real model: model.pt2, model.safetensors, model.json,
+    and two real test images."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from stages.export import export_program, export_pt2
+    from tests.training import cnn
+
+    splits, meta = digits
+    out = tmp_path / "export"
+    out.mkdir()
+    model = cnn(width=8).eval()
+    export_pt2(export_program(model, torch.zeros(2, 1, 16, 16)), out / "model.pt2")
+    save_file(model.state_dict(), out / "model.safetensors")
+    (out / "model.json").write_text(json.dumps({
+        "model_params": {"arch": "cnn", "width": 8, "dropout": 0.1}, "classes": meta["classes"],
+        "mean": meta["mean"], "std": meta["std"], "input_shape": [1, 16, 16]}))
+    for i in range(2):
+        Image.fromarray(splits["test"].x[i, 0].numpy()).save(tmp_path / f"img{i}.png")
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, digits, mlflow_uri):
+    """A real tiny training run: models/train/ with its MLflow run."""
+    from tests.workspaces import workspace
+
+    w = workspace(tmp_path_factory.mktemp("trained"), digits, epochs="2")
+    run([sys.executable, "-m", "stages.train"], w,
+        env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri))
+    return w
 
 
 # Under `make test`'s two workers, one thread each, for this process and every subprocess it

@@ -78,14 +78,12 @@ def test_workspace_runs_are_named_apart(tmp_path, monkeypatch):
     assert run_name() == "lated-dita"
 
 
-def test_predict_warns_on_digits_drawn_dark_on_light(tmp_path, digits):
+def test_predict_warns_on_digits_drawn_dark_on_light(tmp_path, exported):
     """The shipped samples (test-split digits, light on dark) pass quietly; the same drawn the
     way people draw, dark on light, are flagged, in the text and in --json."""
     from PIL import ImageOps
 
-    from tests.test_faults import exported as make_export
-
-    model = make_export.__wrapped__(tmp_path, digits) / "model.safetensors"
+    model = exported / "model.safetensors"
     samples = sorted((ROOT / "data/samples").glob("*.png"))
     assert [p.stem for p in samples] == [str(d) for d in range(10)]
     for p in samples:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from stages.config import MAX_YAML_BYTES, ParamsError, load_params
-from tests.conftest import ROOT, copy_repo, env_with, run, set_params
+from tests.conftest import ROOT, copy_params, copy_repo, env_with, run, set_params
 from tests.training import fit, linear_model
 
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
@@ -24,7 +23,7 @@ LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
 
 def workspace(tmp_path, text: str | None = None, **values: str):
     """A folder holding only params.yaml: the repo's, edited, or `text` itself."""
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     if text is not None:
         (tmp_path / "params.yaml").write_text(text)
     if values:

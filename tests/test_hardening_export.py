@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, env_with, set_params
-from tests.test_faults import one_error_line, trained  # noqa: F401 (a fixture)
+from tests.conftest import ROOT, copy_params, env_with, set_params
+from tests.workspaces import one_error_line
 
 
 def stage(w: Path, name: str, mlflow_uri: str, fsize: int | None = None,
@@ -205,7 +205,7 @@ def folder_ws(tmp_path):
         for i in range(100):
             Image.fromarray(rng.integers(0, 255, (32, 32), dtype=np.uint8)).save(
                 tmp_path / "raw" / c / f"{i}.png")
-    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    copy_params(tmp_path)
     set_params(tmp_path / "params.yaml", {"data.source": "folder", "data.root": str(tmp_path / "raw"),
                                           "data.image_size": "32", "data.num_workers": "1"})
     return tmp_path

@@ -16,12 +16,9 @@ import torch
 from stages.config import ARCHS, ModelConfig, ParamsError
 from stages.files import save_torch_verified
 from stages.models import CheckpointRefused, load_trained, output_key, skeleton
-from tests import test_faults
 from tests.conftest import ROOT, env_with, run
-from tests.test_faults import one_error_line, predict, rewrite_zip
 from tests.training import cnn
-
-exported = test_faults.exported  # the fixture: a small real export, with two real test images
+from tests.workspaces import one_error_line, predict, rewrite_zip
 
 GIB = 1 << 30
 

@@ -18,9 +18,9 @@ from PIL import Image
 from stages.images import DataError
 from stages.report import plot_confusion, plot_misclassified, write_confusion_csv, write_per_class_csv
 from stages.sources import list_folder
-from tests.conftest import ROOT, copy_repo, env_with, rendered_dom, run, set_params
+from tests.conftest import ROOT, copy_params, copy_repo, env_with, rendered_dom, run, set_params
 from tests.images import make_folder
-from tests.test_faults import one_error_line
+from tests.workspaces import one_error_line
 
 # Folder names users give classes that mean something to matplotlib, HTML, CSV, printf or format.
 MARKUP = ["$", "$$", "$_$", "<b>", "&amp;", "a\nb", "%s", "{}", "<!--<script>",
@@ -28,7 +28,7 @@ MARKUP = ["$", "$$", "$_$", "<b>", "&amp;", "a\nb", "%s", "{}", "<!--<script>",
 
 
 def prepare(cwd, *args, **params) -> subprocess.CompletedProcess:
-    shutil.copy(ROOT / "params.yaml", cwd / "params.yaml")
+    copy_params(cwd)
     set_params(cwd / "params.yaml", {"data.source": "folder", "data.image_size": "16", **params})
     return run([sys.executable, "-m", "stages.prepare", *args], cwd,
                env=env_with(PYTHONPATH=str(ROOT)), check=False)

@@ -181,7 +181,7 @@ def workspace_state(repo: Path) -> dict:
                          "[Errno 20] Not a directory: '{tmp}/file/under/"),
 ])
 def test_make_share_without_a_usable_remote_is_one_line(dvc_repo, tmp_path, remote, expected):
-    from tests.test_faults import closed_port
+    from tests.workspaces import closed_port
 
     repo = tmp_path / "repo"
     shutil.copytree(dvc_repo, repo, symlinks=True)
