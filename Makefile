@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share test ui exps lint bench bench-pipeline gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -71,6 +71,11 @@ UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
 	@$(PY) -m stages.ui --port $(UI_PORT)
 
+# Target-specific: `make server` has a PORT of its own.
+serve: PORT ?= 5001
+serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT=... to change): /ping, /invocations
+	@$(PY) -m stages.serve --port $(PORT)
+
 # Headline metrics, lr, epochs and batch_size always; other params only where the rows differ;
 # no dependency hashes or timestamps. As CSV aligned by `column`: 4 decimals and 2 spaces between
 # columns fit 120 where dvc's own table does not. awk names the test split's metrics test_acc,
@@ -96,6 +101,9 @@ bench: setup ## the loop ablation benchmark, side by side
 BENCH_REVS ?= HEAD
 bench-pipeline: setup ## the four stages timed part by part (start-up, tracking, loop); BENCH_REVS=a,b side by side
 	$(PY) -m stages.bench --pipeline --revs $(BENCH_REVS)
+
+bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
+	$(PY) -m stages.bench_serve
 
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
 # in one run for a lent GPU machine. Its python may come with the requirements already:

@@ -188,12 +188,10 @@ class ExportConfig:
     opset: int = 18
     check_batch_sizes: list[int] = field(default_factory=lambda: [1, 7])
     atol: float = 1e-4
-    log_model: bool = True
-    register_as: str = ""  # a registered model name: version gets alias candidate (champion if best)
+    log_model: bool = True  # false: export logs no model, so registers none either
+    register_as: str = "reprotrain"  # registered model: alias candidate (champion if best); "": none
 
     def __post_init__(self) -> None:
-        _require(self.log_model or not self.register_as, "export.register_as", self.register_as,
-                 "registering needs export.log_model: true")
         # torch.onnx writes opset 18 and newer; asked for 17 it tries onnx's converter, which
         # fails on this project's models and leaves 18 in the file.
         _require(self.opset >= 18, "export.opset", self.opset,

@@ -28,6 +28,7 @@ from stages.config import (
 from stages.data import load_meta, load_split, normalize
 from stages.files import atomic_write, atomic_write_all
 from stages.models import load_trained
+from stages.serving import model_kwargs, png_base64, quiet_type_hints
 
 
 def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
@@ -143,9 +144,12 @@ def main() -> None:
             run.log_evaluation(evaluation)
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(EXPORT_DIR / name, "export")
-        # Named after what it is (`cnn-digits`), not MLflow's default `model`.
+        # The served model: images in, labels out, over the ONNX file just written (no pickle,
+        # no torch to load it). Named after what it is (`cnn-digits`), not MLflow's `model`.
         name = f"{ckpt['model_params']['arch']}-{params.data.source}"
-        info = run.log_pytorch_model(model, example.numpy(), name) if cfg.log_model else None
+        with quiet_type_hints():
+            info = (run.log_served_model(name, **model_kwargs(EXPORT_DIR, png_base64(
+                test.x[:2].numpy()))) if cfg.log_model else None)
         if cfg.register_as and info is not None:
             reg = run.register(info.model_uri, cfg.register_as, evaluation["accuracy"])
             if reg:

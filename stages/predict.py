@@ -289,6 +289,27 @@ def unlike_training(offset: float, spec: dict) -> str | None:
             "digits model learned light strokes on a dark background); its answer may be wrong")
 
 
+def model_input(images: list[np.ndarray], spec: dict) -> np.ndarray:
+    """The float32 NCHW batch the model takes, from decode_image's uint8 images: pixels scaled
+    to [0, 1], then (x - mean) / std per channel, as training normalized them. The served model
+    (stages/served_model.py) calls this too: one path from image to input."""
+    mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
+    return (np.stack(images).astype(np.float32) / 255 - mean) / std
+
+
+def probabilities(logits: np.ndarray, n: int, spec: dict, model: str,
+                  spec_path: str | Path) -> np.ndarray:
+    """Each of `n` images' probability of every class, from the model's logits (checked to be
+    one row per image and one column per class of model.json)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.shape != (n, len(spec["classes"])):
+        raise DataError(f"{model} gave logits of shape {list(logits.shape)} for {n} images and "
+                        f"the {len(spec['classes'])} classes of {spec_path}; export the model "
+                        "again (`dvc repro export`)")
+    return softmax(logits)
+
+
 def softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
     e = np.exp(z)
@@ -322,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
     spec = read_spec(spec_path)
     channels, size, _ = spec["input_shape"]
     classes = spec["classes"]
-    mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
-    std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
     run = load_runner(args.model, spec, args.timeout)
     k = min(args.top_k, len(classes))
 
@@ -348,13 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                 emit_error(path, str(e))
         if not batch:
             continue
-        x = (np.stack(batch).astype(np.float32) / 255 - mean) / std
-        logits = np.asarray(run(x), dtype=np.float64)
-        if logits.shape != (len(x), len(classes)):
-            raise DataError(f"--model {args.model} gave logits of shape {list(logits.shape)} for "
-                            f"{len(x)} images and the {len(classes)} classes of {spec_path}; "
-                            "export the model again (`dvc repro export`)")
-        probs = softmax(logits)
+        x = model_input(batch, spec)
+        probs = probabilities(run(x), len(x), spec, f"--model {args.model}", spec_path)
         for path, p, offset in zip(paths, probs, brightness_offset(x), strict=True):
             top = np.argsort(-p)[:k]
             warning = unlike_training(offset, spec)

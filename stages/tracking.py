@@ -258,15 +258,12 @@ class Tracker:
         """The prepared data as the run's input: where it came from and its content hash."""
         self._call(_log_dataset, meta, root)
 
-    def log_pytorch_model(self, model, input_example, name: str):
-        """The ModelInfo of the logged model, or None when tracking is off."""
-        import mlflow.pytorch
-        import torch
+    def log_served_model(self, name: str, **kwargs):
+        """A pyfunc model logged as code (stages/serving.py's model_kwargs): its ModelInfo, or
+        None when tracking is off."""
+        import mlflow.pyfunc
 
-        # Explicit requirements: inferring them imports the model in a subprocess (~10 s).
-        return self._call(mlflow.pytorch.log_model, model, name=name,
-                          input_example=input_example,
-                          pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        return self._call(mlflow.pyfunc.log_model, name=name, **kwargs)
 
     def register(self, model_uri: str, name: str, accuracy: float) -> dict | None:
         """Register a version with alias `candidate`; move `champion` to it when its test

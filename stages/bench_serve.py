@@ -1,0 +1,190 @@
+"""`make bench-serve`: three ways to classify images, side by side in one run, on loopback.
+
+    python -m stages.bench_serve [--requests 300] [--batches 20] [--budget-s 60]
+
+- served pyfunc: `python -m stages.serve` (the champion: base64 images in, labels out);
+- served mlflow.pytorch: the model as export logged it before, `mlflow models serve` of it; the
+  client decodes, resizes and normalizes each image and applies softmax to the logits, as its
+  users had to;
+- in-process predict: the functions `python -m stages.predict` runs, in this process.
+
+For each: cold start (command to first answer), latency of one image per request (p50, p99;
+client work included), and images/s in requests of --batch-size images. Each phase stops after
+its count or --budget-s, whichever comes first. Needs `make repro` first (a registered champion,
+models/train/model.pt, models/export/).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from stages.bench import cpu_label
+from stages.cli import ArgumentParser, positive_int, run_stage
+from stages.config import EXPORT_DIR, TRAIN_DIR
+from stages.images import decode_image
+from stages.predict import model_input, onnx_runner, probabilities, read_spec
+from stages.serve import answers, serve_command, server_env
+from stages.ui import stop
+
+SAMPLES = sorted(Path("data/samples").glob("*.png"))
+
+
+def post(conn: http.client.HTTPConnection, body: str) -> dict:
+    conn.request("POST", "/invocations", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
+    return json.loads(data)
+
+
+def measure(classify: Callable[[list[bytes]], list], images: list[bytes], args) -> dict:
+    """p50/p99 ms of one image per call, and images/s in calls of args.batch_size images."""
+    latencies = []
+    deadline = time.monotonic() + args.budget_s
+    for i in range(args.requests):
+        t = time.perf_counter()
+        classify([images[i % len(images)]])
+        latencies.append(time.perf_counter() - t)
+        if time.monotonic() > deadline:
+            break
+    batch = [images[i % len(images)] for i in range(args.batch_size)]
+    done, t0 = 0, time.perf_counter()
+    deadline = time.monotonic() + args.budget_s
+    for _ in range(args.batches):
+        assert len(classify(batch)) == len(batch)
+        done += len(batch)
+        if time.monotonic() > deadline:
+            break
+    ms = sorted(x * 1e3 for x in latencies)
+    return {"p50_ms": statistics.median(ms), "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+            "requests": len(ms), "images_per_s": done / (time.perf_counter() - t0),
+            "batch_requests": done // len(batch)}
+
+
+def served(command: list[str], port: int, first: Callable[[], object], timeout_s: int,
+           log: Path) -> tuple[subprocess.Popen, float]:
+    """A server started by `command`, and the seconds from the command to its first answer."""
+    t = time.perf_counter()
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=server_env(),
+                                  start_new_session=True)
+    while not answers(f"http://127.0.0.1:{port}"):
+        if server.poll() is not None or time.perf_counter() - t > timeout_s:
+            stop(server)
+            raise RuntimeError(f"{' '.join(command)} did not answer; see {log}")
+        time.sleep(0.05)
+    first()
+    return server, time.perf_counter() - t
+
+
+def pyfunc_row(images: list[bytes], port: int, args, work: Path) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def classify(batch: list[bytes]) -> list:
+        body = json.dumps({"inputs": [base64.b64encode(b).decode() for b in batch]})
+        return post(conn, body)["predictions"]
+
+    server, cold = served([sys.executable, "-m", "stages.serve", "--port", str(port)], port,
+                          lambda: classify(images[:1]), args.timeout, work / "pyfunc.log")
+    try:
+        return {"cold_start_s": cold, **measure(classify, images, args)}
+    finally:
+        conn.close()
+        stop(server)
+
+
+def pytorch_row(images: list[bytes], port: int, args, work: Path) -> dict:
+    """The model as export logged it until the served pyfunc: mlflow.pytorch with a tensor
+    example, served as `mlflow models serve` does; the client does the preprocessing."""
+    import mlflow.pytorch
+    import torch
+
+    from stages.models import load_trained
+
+    model, _ = load_trained(TRAIN_DIR / "model.pt")
+    spec = read_spec(EXPORT_DIR / "model.json")
+    channels, size, _ = spec["input_shape"]
+    folder = work / "pytorch-model"
+    example = np.zeros((2, channels, size, size), np.float32)  # batch > 1: a dynamic batch
+    mlflow.pytorch.save_model(model, str(folder), input_example=example,
+                              pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+
+    def classify(batch: list[bytes]) -> list:
+        x = model_input([decode_image(b, channels, size, spec["resize"]) for b in batch], spec)
+        logits = post(conn, json.dumps({"inputs": x.tolist()}))["predictions"]
+        return list(probabilities(np.asarray(logits), len(batch), spec, "mlflow.pytorch",
+                                  "model.json"))
+
+    server, cold = served(serve_command(folder, port), port, lambda: classify(images[:1]),
+                          args.timeout, work / "pytorch.log")
+    try:
+        return {"cold_start_s": cold, **measure(classify, images, args)}
+    finally:
+        conn.close()
+        stop(server)
+
+
+def predict_row(images: list[bytes], args) -> dict:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "stages.predict", str(SAMPLES[0]), "--json"], check=True,
+                   capture_output=True)
+    cold = time.perf_counter() - t
+    spec = read_spec(EXPORT_DIR / "model.json")
+    run = onnx_runner(EXPORT_DIR / "model.onnx", spec, 60)
+    channels, size, _ = spec["input_shape"]
+
+    def classify(batch: list[bytes]) -> list:
+        x = model_input([decode_image(b, channels, size, spec["resize"]) for b in batch], spec)
+        return list(probabilities(run(x), len(x), spec, "model.onnx", "model.json"))
+
+    return {"cold_start_s": cold, **measure(classify, images, args)}
+
+
+def markdown(rows: dict[str, dict], args) -> str:
+    base = rows["served pyfunc"]
+    out = [f"CPU: {cpu_label()}; {args.requests} requests of 1 image, {args.batches} of "
+           f"{args.batch_size} (each phase at most {args.budget_s} s); `make bench-serve`", "",
+           "| | cold start s | 1 image p50 ms | p99 ms | images/s, batches of "
+           f"{args.batch_size} | images/s vs served pyfunc |", "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        out.append(f"| {name} | {r['cold_start_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                   f"{r['images_per_s']:.0f} | {r['images_per_s'] / base['images_per_s']:.2f}x |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m stages.bench_serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=positive_int, default=300, help="requests of one image")
+    ap.add_argument("--batches", type=positive_int, default=20, help="requests of a batch")
+    ap.add_argument("--batch-size", type=positive_int, default=64)
+    ap.add_argument("--budget-s", type=positive_int, default=60, help="the most one phase runs")
+    ap.add_argument("--timeout", type=positive_int, default=180, help="seconds to start a server")
+    ap.add_argument("--port", type=positive_int, default=5011)
+    ap.add_argument("--out", type=Path, default=Path("bench/serve.json"))
+    args = ap.parse_args(argv)
+    images = [p.read_bytes() for p in SAMPLES]
+    with tempfile.TemporaryDirectory(prefix="reprotrain-bench-serve-") as tmp:
+        rows = {"served pyfunc": pyfunc_row(images, args.port, args, Path(tmp)),
+                "served mlflow.pytorch + client preprocessing":
+                    pytorch_row(images, args.port + 1, args, Path(tmp)),
+                "in-process stages.predict": predict_row(images, args)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"cpu": cpu_label(), "rows": rows}, indent=2) + "\n")
+    print(markdown(rows, args))
+
+
+if __name__ == "__main__":
+    run_stage(main)

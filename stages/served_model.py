@@ -1,0 +1,115 @@
+"""The served model, logged as code (MLflow models-from-code): images in, label and
+probabilities out, over the artifacts model.onnx and model.json.
+
+    {"inputs": ["<base64 of a PNG, JPEG, ...>", ...]}
+    -> {"predictions": [{"label": "7", "probability": 0.998, "probabilities": {"0": ..., ...}}]}
+
+Each image is decoded, resized and normalized by the functions `python -m stages.predict` uses,
+and the graph runs in onnxruntime: no torch here, so a server loads it in a second. MLflow runs
+this file to load the model; `make serve` (stages/serve.py) runs the checkout's copy, never the
+one stored with a registered model, and takes only model.onnx and model.json from the registry.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from PIL import Image
+
+from stages import predict as shared  # the functions `python -m stages.predict` runs
+from stages.images import DataError, decode_image
+
+# Bounds on one request: its images, each image's pixels (read from the header, before any
+# decoding: Pillow's own bomb limit only warns up to 179 megapixels), a batch's run time.
+MAX_IMAGES = 1024
+MAX_PIXELS = 4096 * 4096
+TIMEOUT_S = 30
+FIX = "send a list of base64-encoded image files (PNG, JPEG, BMP, WebP, TIFF) as {\"inputs\": [...]}"
+
+
+class BadInput(MlflowException):
+    """A 400 with one line that names the image and the problem. MLflow's scoring server
+    prepends the whole request to a model's error message ("Failed to predict data '<every
+    image>'"): this message ignores that assignment."""
+
+    def __init__(self, line: str):
+        self._line = " ".join(line.split())  # one line, whatever a decoder's message held
+        super().__init__(self._line, error_code=INVALID_PARAMETER_VALUE)
+
+    @property
+    def message(self) -> str:
+        return self._line
+
+    @message.setter
+    def message(self, _: str) -> None:
+        pass
+
+
+def image_bytes(item: Any, i: int) -> bytes:
+    """An image file's bytes: given as such (in Python), or base64 text (over HTTP; line breaks,
+    as MLflow and `base64` write them, allowed)."""
+    if isinstance(item, bytes):
+        return item
+    if not isinstance(item, str):
+        raise BadInput(f"image {i}: a JSON {type(item).__name__}, not a string; {FIX}")
+    try:
+        return base64.b64decode("".join(item.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadInput(f"image {i}: not base64 text ({item[:20]!r}...); {FIX}") from None
+
+
+def check_pixels(data: bytes, i: int) -> None:
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return  # decode_image names what is wrong with it
+    if width * height > MAX_PIXELS:
+        raise BadInput(f"image {i}: {width}x{height} pixels, over the {MAX_PIXELS:,} a served "
+                       "image may have (MAX_PIXELS in stages/served_model.py); resize it first")
+
+
+class ImageClassifier(mlflow.pyfunc.PythonModel):
+    def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
+        self.spec_path = Path(context.artifacts["model.json"])
+        self.onnx_path = Path(context.artifacts["model.onnx"])
+        self.spec = shared.read_spec(self.spec_path)
+        self.run = shared.onnx_runner(self.onnx_path, self.spec, TIMEOUT_S)
+
+    def predict(self, model_input: list[str | bytes]) -> list[dict[str, str | float | dict[str, float]]]:
+        """One record per image: `label`, its `probability`, and `probabilities` by class name."""
+        if not isinstance(model_input, list):
+            raise BadInput(f"inputs is a {type(model_input).__name__}, not a list; {FIX}")
+        if not model_input:
+            raise BadInput(f"no images: inputs is an empty list; {FIX}")
+        if len(model_input) > MAX_IMAGES:
+            raise BadInput(f"{len(model_input)} images in one request, over {MAX_IMAGES} "
+                           "(MAX_IMAGES in stages/served_model.py); send them in smaller batches")
+        channels, size, _ = self.spec["input_shape"]
+        images = []
+        for i, item in enumerate(model_input):
+            data = image_bytes(item, i)
+            check_pixels(data, i)
+            try:
+                images.append(decode_image(data, channels, size, self.spec["resize"]))
+            except DataError as e:
+                raise BadInput(f"image {i}: not a readable image ({e}); {FIX}") from None
+            except Exception as e:  # noqa: BLE001 - a decoder's own bug on a crafted file
+                raise BadInput(f"image {i}: not a readable image ({type(e).__name__}: "
+                               f"{str(e)[:200]}); {FIX}") from None
+        x = shared.model_input(images, self.spec)
+        probs = shared.probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
+                                     self.spec_path)
+        classes = self.spec["classes"]
+        return [{"label": classes[p.argmax()], "probability": float(p.max()),
+                 "probabilities": dict(zip(classes, map(float, p), strict=True))} for p in probs]
+
+
+mlflow.models.set_model(ImageClassifier())

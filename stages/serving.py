@@ -1,0 +1,150 @@
+"""The served model's library: how it is logged (export) and how the champion is taken from the
+registry to be served (`make serve`, stages/serve.py) or loaded (`load_champion`).
+
+What runs is this checkout's code, never code from the registry. Loading a logged pyfunc model
+runs the Python file stored with it (models-from-code) or unpickles it (older models), and a
+team's registry takes versions from anyone who can log one. So only the two data files are taken
+from the champion, model.json (checked by stages.predict.read_spec) and model.onnx (a graph of
+standard operators, run by onnxruntime); the model folder served is saved afresh around them
+from stages/served_model.py of this checkout, with the modules it imports.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
+
+from stages.cli import UserError
+from stages.config import load_params
+
+# Downloads of two small files need no progress bars in the output.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+SERVED_MODEL = Path(__file__).with_name("served_model.py")
+FILES = ("model.onnx", "model.json")
+# What the served model imports, at the versions of this environment (requirements.lock): the
+# model's requirements.txt, which a container built from it installs.
+REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
+# The modules of stages/ it imports (a test loads a saved model away from the checkout).
+PACKAGE = ("__init__.py", "config.py", "images.py", "predict.py")
+
+
+def png_base64(images) -> list[str]:
+    """uint8 (N, C, H, W) images as base64 PNG files: the model's input example."""
+    from PIL import Image
+
+    out = []
+    for img in images:
+        buf = io.BytesIO()
+        arr = img.transpose(1, 2, 0)
+        Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(buf, format="PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def model_kwargs(folder: Path, example: list[str] | None = None,
+                 package: Path | None = None) -> dict:
+    """Arguments of mlflow.pyfunc.log_model/save_model for the served model over `folder`'s
+    model.onnx and model.json; with `package` (a copy of what it imports from stages/) inside."""
+    return {"python_model": str(SERVED_MODEL),
+            "artifacts": {name: str(folder / name) for name in FILES},
+            "input_example": example,
+            "pip_requirements": [f"{p}=={version(p)}" for p in REQUIREMENTS],
+            "code_paths": [str(package)] if package else None}
+
+
+def package_copy(dest: Path) -> Path:
+    """The modules of stages/ that the served model imports, as a package in `dest`."""
+    package = dest / "stages"
+    package.mkdir(parents=True)
+    for name in PACKAGE:
+        shutil.copy2(SERVED_MODEL.with_name(name), package / name)
+    return package
+
+
+def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:
+    """The version number `alias` points at, and its model.onnx and model.json downloaded to
+    `dest`."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from stages import tracking
+
+    uri = tracking.tracking_uri(load_params().mlflow)
+    mlflow.set_tracking_uri(uri)
+    try:
+        found = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        # Without a user:password@ a URI may carry: credentials never reach a message.
+        raise UserError(f"no {alias} of registered model {name!r} in {re.sub('//[^/]*@', '//', uri)} "
+                        f"({tracking.reason(e)}); run `make repro` (export registers each model as "
+                        "export.register_as in params.yaml) or pass --name") from None
+    # The files of one version, by number: the alias can move between the two downloads.
+    for file in FILES:
+        try:
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{name}/{found.version}/artifacts/{file}", dst_path=str(dest))
+        except (MlflowException, OSError) as e:
+            raise UserError(f"{name} version {found.version} ({alias}) has no artifacts/{file} "
+                            f"({tracking.reason(e)}): it is not a model this export logged (an "
+                            "mlflow.pytorch model from before?); serve another version with "
+                            "--alias candidate, or move the alias") from None
+    return int(found.version), dest / "artifacts"
+
+
+def save_served(folder: Path, dest: Path) -> Path:
+    """The served model saved to `dest` from this checkout's code over `folder`'s files, with
+    the modules it imports inside: it loads from any folder, and in a container."""
+    import mlflow
+
+    with tempfile.TemporaryDirectory() as tmp, quiet_type_hints():
+        mlflow.pyfunc.save_model(str(dest), **model_kwargs(folder, package=package_copy(Path(tmp))))
+    return dest
+
+
+@contextmanager
+def quiet_type_hints() -> Iterator[None]:
+    """MLflow logs that it cannot check the elements of a `str | bytes` list: served_model.py
+    checks each image itself."""
+    logger = logging.getLogger("mlflow.types.type_hints")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def champion_model(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:
+    """The version `alias` points at and a folder to serve it from (the module's docstring)."""
+    number, files = champion_files(name, dest / "registry", alias)
+    return number, save_served(files, dest / "model")
+
+
+def load_champion(name: str | None = None):
+    """The champion as a pyfunc model in this process: `load_champion().predict([bytes...])`."""
+    import mlflow
+
+    dest = Path(tempfile.mkdtemp(prefix="reprotrain-champion-"))
+    try:
+        _, folder = champion_model(name or registered_name(), dest)
+        return mlflow.pyfunc.load_model(str(folder))  # onnxruntime holds the graph in memory
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def registered_name() -> str:
+    name = load_params().export.register_as
+    if not name:
+        raise UserError("params.yaml: export.register_as is empty, so export registers no model "
+                        "to serve; set it (e.g. `digits`), run `make repro`, or pass --name")
+    return name

@@ -1,0 +1,326 @@
+"""Serving the champion: export logs and registers the served model (code, no pickle), `make
+serve`'s server answers over real HTTP as `stages.predict` does, refuses bad input with a 400
+and goes on, never runs code from the registry, and stops on Ctrl-C; its Dockerfile."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.data import save_prepared
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
+from tests.services import free_port
+
+pytestmark = pytest.mark.slow
+
+NAME = "serve-test"
+SAMPLES = sorted((ROOT / "data/samples").glob("*.png"), key=lambda p: int(p.stem))
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory, digits, mlflow_uri):
+    """A workspace whose tiny real model was trained, evaluated and exported: export logged the
+    served model and registered it as champion of NAME."""
+    w = tmp_path_factory.mktemp("serve")
+    copy_params(w)
+    set_params(w / "params.yaml", {"epochs": "2", "model.width": "8", "export.register_as": NAME})
+    save_prepared(w / "data/prepared", *digits)
+    env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri)
+    for stage in ("train", "evaluate", "export"):
+        p = run([sys.executable, "-m", f"stages.{stage}"], w, env=env)
+    assert f"registered {NAME} version 1 as candidate, now champion" in p.stdout
+    return w, env
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def post(base: str, body: bytes | str | dict) -> tuple[int, dict | str]:
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    data = json.dumps(body) if isinstance(body, dict) else body
+    conn.request("POST", "/invocations", data, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    try:
+        return r.status, json.loads(text)
+    except json.JSONDecodeError:
+        return r.status, text
+
+
+def predict_json(w: Path, env: dict, paths: list[Path], model: Path | None = None) -> list[dict]:
+    p = run([sys.executable, "-m", "stages.predict", *map(str, paths), "--json", "--top-k", "100"],
+            w, env=env)
+    return [json.loads(line) for line in p.stdout.splitlines()]
+
+
+def assert_same(served: list[dict], predicted: list[dict]) -> None:
+    assert len(served) == len(predicted)
+    for s, p in zip(served, predicted, strict=True):
+        assert s["label"] == p["label"]
+        assert s["probability"] == pytest.approx(p["confidence"], abs=1e-5)
+        assert s["probabilities"] == pytest.approx({t["label"]: t["p"] for t in p["top_k"]},
+                                                   abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def server(champion):
+    """`python -m stages.serve` (what `make serve` runs) on a free port, in its own process
+    group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server."""
+    w, env = champion
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--port", str(port)], cwd=w,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # the curl line comes once the server answers
+        lines.append(line)
+        if line.startswith("curl "):
+            break
+    assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
+    yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines}
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_export_logs_the_served_model_as_code_with_an_example(champion, tmp_path):
+    import mlflow
+    from omegaconf import OmegaConf
+
+    mlmodel = mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion/MLmodel",
+                                                  dst_path=str(tmp_path))
+    pyfunc = OmegaConf.load(mlmodel).flavors.python_function
+    assert pyfunc.model_code_path.endswith("stages/served_model.py")
+    assert "python_model" not in pyfunc  # no cloudpickle of the model object
+    assert set(pyfunc.artifacts) == {"model.onnx", "model.json"}
+    example = json.loads(Path(mlflow.artifacts.download_artifacts(
+        f"models:/{NAME}@champion/input_example.json", dst_path=str(tmp_path))).read_text())
+    images = [Image.open(io.BytesIO(base64.b64decode(s))) for s in example]
+    assert len(images) == 2 and images[0].size == (16, 16)  # two real test images, as PNG
+    sig = mlflow.models.get_model_info(f"models:/{NAME}@champion").signature
+    assert sig is not None and sig.inputs is not None and sig.outputs is not None
+
+
+def test_the_printed_curl_line_works_as_printed(server, champion):
+    p = subprocess.run(["bash", "-c", server["out"][-1]], cwd=champion[0], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    (answer,) = json.loads(p.stdout)["predictions"]
+    assert set(answer) == {"label", "probability", "probabilities"}
+    assert answer["probabilities"][answer["label"]] == answer["probability"]
+
+
+def test_served_answers_equal_predict(server, champion):
+    w, env = champion
+    status, body = post(server["base"], {"inputs": [b64(p.read_bytes()) for p in SAMPLES]})
+    assert status == 200, body
+    assert_same(body["predictions"], predict_json(w, env, SAMPLES))
+
+
+def png(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=kw.pop("format", "PNG"), **kw)
+    return buf.getvalue()
+
+
+def bomb_png(width: int, height: int) -> bytes:
+    """A 100-byte PNG that declares width x height pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+SAMPLE = (ROOT / "data/samples/4.png").read_bytes()
+BAD = {
+    "not base64": ({"inputs": ["this is not base64!"]}, "image 0: not base64"),
+    "not an image": ({"inputs": [b64(SAMPLE), b64(b"GIF89a? no, just text")]},
+                     "image 1: not a readable image"),
+    "truncated png": ({"inputs": [b64(SAMPLE[: len(SAMPLE) // 2])]}, "image 0: not a readable"),
+    "decompression bomb": ({"inputs": [b64(bomb_png(100_000, 100_000))]},
+                           "image 0: not a readable image (DecompressionBombError"),
+    "huge dimensions": ({"inputs": [b64(bomb_png(5000, 5000))]}, "image 0: 5000x5000 pixels"),
+    "empty list": ({"inputs": []}, "no images"),
+    "thousands of images": ({"inputs": [b64(SAMPLE)] * 3000}, "3000 images in one request"),
+    "a number": ({"inputs": [b64(SAMPLE), 7]}, "image 1: a JSON int, not a string"),
+    "no inputs key": ({"instances": [b64(SAMPLE)]}, "'inputs' key"),
+    "inputs not a list": ({"inputs": {"image": b64(SAMPLE)}}, "Expected list"),
+    "not json": ("inputs=" + b64(SAMPLE), "valid JSON"),
+    "a json list": ("[1, 2]", "Received a list"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(server, case):
+    body, says = BAD[case]
+    status, answer = post(server["base"], body)
+    assert status == 400, answer
+    assert says in answer["message"], answer["message"][:500]
+    if not case.startswith(("no inputs", "inputs not", "not json", "a json")):
+        # What reaches the model is refused in one line; the others are MLflow's own 400s.
+        assert "\n" not in answer["message"] and len(answer["message"]) < 400, answer["message"]
+    status, good = post(server["base"], {"inputs": [b64(SAMPLE)]})
+    assert status == 200 and len(good["predictions"]) == 1
+
+
+def test_16_bit_palette_and_cmyk_images_are_answered_as_predict_does(server, champion, tmp_path):
+    w, env = champion
+    gray = np.asarray(Image.open(ROOT / "data/samples/3.png").convert("L"))
+    files = {
+        "16bit.png": png(Image.fromarray(gray.astype(np.uint16) * 257)),
+        "palette.png": png(Image.fromarray(gray).convert("P")),
+        "cmyk.jpg": png(Image.fromarray(gray).convert("CMYK"), format="JPEG", quality=95),
+    }
+    assert Image.open(io.BytesIO(files["16bit.png"])).mode.startswith("I")
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    status, body = post(server["base"], {"inputs": [b64(d) for d in files.values()]})
+    assert status == 200, body
+    assert_same(body["predictions"], predict_json(w, env, [tmp_path / n for n in files]))
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # would create the marker file when unpickled
+
+
+def test_a_hostile_registered_model_never_runs_its_code(champion, tmp_path, monkeypatch):
+    """Anyone who can register a version can put code in it: in its models-from-code file, or
+    as a pickle. Serving and loading through stages.serve takes only its model.onnx and
+    model.json; loading the registered model with MLflow alone runs the code."""
+    import mlflow
+    from omegaconf import OmegaConf
+
+    from stages.serving import load_champion
+
+    w, env = champion
+    monkeypatch.chdir(w)  # its params.yaml names the registered model
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    marker = tmp_path / "pwned"
+    genuine = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1",
+                                                       dst_path=str(tmp_path / "v1")))
+    client = mlflow.MlflowClient()
+
+    code = genuine / "served_model.py"  # the registered model's copy of the code
+    code.write_text(code.read_text() + f"open({str(marker)!r}, 'w').close()\n")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(genuine, pickled)
+    (pickled / "served_model.py").unlink()
+    (pickled / "python_model.pkl").write_bytes(pickle.dumps(Exploit(marker)))
+    conf = OmegaConf.load(pickled / "MLmodel")
+    del conf.flavors.python_function.model_code_path
+    conf.flavors.python_function.loader_module = "mlflow.pyfunc.model"
+    conf.flavors.python_function.python_model = "python_model.pkl"
+    OmegaConf.save(conf, pickled / "MLmodel")
+
+    images = [p.read_bytes() for p in SAMPLES[:3]]
+    good = load_champion().predict(images)
+    experiment = client.get_experiment_by_name("reprotrain").experiment_id
+    for hostile in (genuine, pickled):
+        with mlflow.start_run(experiment_id=experiment) as r:
+            mlflow.log_artifacts(str(hostile), "model")
+        version = mlflow.register_model(f"runs:/{r.info.run_id}/model", NAME).version
+        client.set_registered_model_alias(NAME, "champion", version)
+        try:
+            assert load_champion().predict(images) == good
+            assert not marker.exists(), f"{hostile.name}: stages.serve ran the model's code"
+            # The fault is real: MLflow's own loader runs it.
+            try:
+                mlflow.pyfunc.load_model(f"models:/{NAME}/{version}")
+            except Exception:  # noqa: BLE001, S110 - whether it then fails does not matter
+                pass
+            assert marker.exists(), f"{hostile.name}: the hostile model is not hostile"
+            marker.unlink()
+        finally:
+            client.set_registered_model_alias(NAME, "champion", "1")
+
+
+@pytest.fixture
+def in_workspace(champion, monkeypatch):
+    """`python -m stages.serve`'s main in this process, as if run in the workspace."""
+    from stages.serve import main
+
+    w, env = champion
+    monkeypatch.chdir(w)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
+    return main
+
+
+def test_the_served_folder_loads_anywhere_without_torch(in_workspace, tmp_path):
+    in_workspace(["--save", str(tmp_path / "model")])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    check = ("import sys, json, base64, mlflow.pyfunc; m = mlflow.pyfunc.load_model('../model'); "
+             f"out = m.predict([open({str(SAMPLES[0])!r}, 'rb').read()]); "
+             "print(json.dumps([out[0]['label'], 'torch' in sys.modules, "
+             "sys.modules['stages.predict'].__file__]))")
+    label, torch_loaded, source = json.loads(run(
+        [sys.executable, "-c", check], elsewhere, env=env_with()).stdout)
+    assert label in [str(i) for i in range(10)] and not torch_loaded
+    assert source.startswith(str(tmp_path / "model/code/stages"))
+
+
+def test_dockerfile_names_the_locked_versions_and_the_pyfunc_server(in_workspace, tmp_path):
+    out = tmp_path / "docker"
+    in_workspace(["--dockerfile", str(out)])
+    dockerfile = (out / "Dockerfile").read_text()
+    locked = dict(re.findall(r"^([a-z0-9_.-]+)==([^\s;\\]+)", (ROOT / "requirements.lock").read_text(),
+                             re.M))
+    assert f"pip install mlflow=={locked['mlflow']}" in dockerfile
+    assert "C._serve('local')" in dockerfile and "COPY model_dir/model /opt/ml/model" in dockerfile
+    requirements = (out / "model_dir/model/requirements.txt").read_text().split()
+    assert requirements == [f"{name}=={locked[name]}" for name in
+                            ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")]
+    assert sorted(p.name for p in (out / "model_dir/model/code/stages").iterdir()) == \
+        ["__init__.py", "config.py", "images.py", "predict.py"]
+
+
+def test_ctrl_c_stops_the_server(server):
+    proc, port = server["proc"], server["port"]
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the foreground group
+    proc.wait(timeout=30)
+    assert "stopping the model server" in proc.stderr.read()
+    time.sleep(0.5)
+    with pytest.raises(OSError):
+        post(server["base"], {"inputs": [b64(SAMPLE)]})
+    assert not [cmd for cmd in command_lines() if f"--port\0{port}\0".encode() in cmd]
+
+
+def command_lines() -> list[bytes]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        except OSError:  # ended meanwhile
+            pass
+    return out
+
+
+def test_no_champion_is_one_line_naming_the_fix(in_workspace):
+    from stages.cli import UserError
+
+    with pytest.raises(UserError, match="no champion of registered model 'nope' in .*make repro"):
+        in_workspace(["--name", "nope"])
