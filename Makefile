@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share sweep test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -59,6 +59,17 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
 	$(PY) -m stages.share
 
+# An Optuna study of DVC experiments (README: Sweeps). STORAGE is the study's database: through
+# the environment, so make never echoes a password; its default is $REPROTRAIN_SWEEP_STORAGE.
+SWEEP ?= sweeps/lr.yaml
+WORKERS ?= 1
+LAUNCHER ?= local
+REMOTE ?= origin
+sweep: export REPROTRAIN_SWEEP_STORAGE := $(or $(STORAGE),$(REPROTRAIN_SWEEP_STORAGE))
+sweep: setup ## an Optuna study of DVC experiments: SWEEP=sweeps/lr.yaml TRIALS= WORKERS= LAUNCHER=local|slurm STORAGE= REMOTE=
+	$(PY) -m stages.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) --remote $(REMOTE) \
+		$(if $(TRIALS),--trials $(TRIALS)) $(if $(STUDY),--study $(STUDY))
+
 # Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;
 # the longest modules go first (tests/conftest.py).
@@ -84,8 +95,11 @@ serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT
 EXPS_KEEP := ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size)$$
 EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|params\.yaml|best_val_loss|best_epoch|epochs_run|num_params|^n$$
 EXPS_REVS ?=  # e.g. --rev origin/main --rev HEAD: experiments of those commits (default HEAD's)
+EXPS_SORT ?=  # e.g. models/train/metrics.json:best_val_acc (a sweep prints its objective's)
+EXPS_ORDER ?= desc
 exps: setup ## experiments side by side, 120 columns: lr, epochs, batch_size, headline metrics
 	@dvc exp show --csv --only-changed --precision 4 $(EXPS_REVS) \
+		$(if $(EXPS_SORT),--sort-by '$(EXPS_SORT)' --sort-order $(EXPS_ORDER)) \
 		--keep '$(EXPS_KEEP)' --drop '$(EXPS_DROP)' \
 		| awk -F, -v OFS=, 'BEGIN { test["accuracy"] = "test_acc"; test["loss"] = "test_loss"; \
 			test["macro_f1"] = "test_f1" } NR == 1 { for (i = 1; i <= NF; i++) if ($$i in test) $$i = test[$$i] } \

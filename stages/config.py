@@ -290,10 +290,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of keys to values")
     try:
-        _refuse_interpolation(raw, path)
-        _check(raw, Params)
-        merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
-        return OmegaConf.to_object(merged)  # runs every __post_init__ range check
+        return check_params(raw, path)
     except ParamsError as e:
         # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
         # every later `dvc repro` would fail on it too. Plain `git checkout params.yaml` can
@@ -306,6 +303,15 @@ def load_params(path: str | Path = "params.yaml") -> Params:
                               "the committed values, then `dvc repro` the outputs DVC removed (from "
                               "its run-cache)") from None
         raise
+
+
+def check_params(raw: dict, path: str | Path = "params.yaml") -> Params:
+    """params.yaml's mapping (plain containers) checked against the schema: keys, types, then
+    every range; also for values that are not in a file yet (a sweep's)."""
+    _refuse_interpolation(raw, Path(path))
+    _check(raw, Params)
+    merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
+    return OmegaConf.to_object(merged)  # runs every __post_init__ range check
 
 
 # A params.yaml holds about a hundred values in under 2 KB: these bounds are far above any real

@@ -35,7 +35,7 @@ FILES = ("model.onnx", "model.json")
 # model's requirements.txt, which a container built from it installs.
 REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # The modules of stages/ it imports (a test loads a saved model away from the checkout).
-PACKAGE = ("__init__.py", "config.py", "images.py", "predict.py")
+PACKAGE = ("__init__.py", "cli.py", "config.py", "images.py", "predict.py")
 
 
 def png_base64(images) -> list[str]:

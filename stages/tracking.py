@@ -45,6 +45,8 @@ os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
 logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 RUN_FILE = "run.json"
+# A sweep's trials (stages/sweep.py) are children of the study's run: MLflow nests them under it.
+PARENT_RUN_ENV = "REPROTRAIN_SWEEP_PARENT_RUN"
 # MLflow's chart view groups metrics by the part of the name before the first `/`.
 METRIC_NAMES = {
     "train_loss": "train/loss", "train_acc": "train/acc", "lr": "train/lr",
@@ -345,11 +347,12 @@ def _experiment_id(name: str, uri: str) -> str:
 
 
 @contextmanager
-def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
-              tags: dict[str, Any] | None = None, keep_duration: bool = False) -> Iterator[Tracker]:
-    """Open a new run named after the experiment (or reopen `run_id`); end it FINISHED,
-    FAILED or KILLED. `keep_duration`: a later stage's logging does not stretch the run's
-    Duration, which stays the training's."""
+def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, Any] | None = None,
+              keep_duration: bool = False, name: str | None = None) -> Iterator[Tracker]:
+    """Open a new run named after the experiment (or `name`; or reopen `run_id`); end it
+    FINISHED, FAILED or KILLED. `keep_duration`: a later stage's logging does not stretch the
+    run's Duration, which stays the training's. Under a sweep the run is a child of the
+    study's run (PARENT_RUN_ENV)."""
     tracker = Tracker(tracking_uri(cfg))
     ended = None
     try:
@@ -363,11 +366,12 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None,
                 ended = mlflow.MlflowClient().get_run(run_id).info.end_time if keep_duration else None
                 run = mlflow.start_run(run_id=run_id)
             else:
-                run = mlflow.start_run(experiment_id=exp_id, run_name=run_name())
+                run = mlflow.start_run(experiment_id=exp_id, run_name=name or run_name())
             tracker.run_id, tracker.enabled = run.info.run_id, True
             tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
                               "lock_sha256": lock_hash(),
                               "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+                              "mlflow.parentRunId": os.environ.get(PARENT_RUN_ENV),
                               **(tags or {})})
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({reason(e)}); "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from stages import distributed, tracking
+from stages import distributed, tracking, trial
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,
@@ -103,10 +103,17 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             run.log_dataset(meta, params.data.root)
         else:
             run.resume()
-        result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
-                       lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
-                       seed=params.seed, log=watch.wrap(run.log), ckpt_dir=ckpt_dir, resume=resume,
-                       extra_state={"run_id": run.run_id}, rank=rank, world=world)
+        # Under a sweep (`make sweep`) each epoch is also reported to its Optuna trial, whose
+        # pruner may stop the run: it exits trial.PRUNED_EXIT and DVC records nothing of it.
+        log = trial.reporting(watch.wrap(run.log), rank, world)
+        try:
+            result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
+                           lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
+                           seed=params.seed, log=log, ckpt_dir=ckpt_dir, resume=resume,
+                           extra_state={"run_id": run.run_id}, rank=rank, world=world)
+        except trial.Pruned as stop:
+            run.set_tags({"pruned": "true", "pruned_at_epoch": stop.epoch})
+            raise
         if rank != 0:
             return
         watch.check(force=True)  # the last chance before a result is recorded under its params

@@ -1,0 +1,276 @@
+"""`make sweep` for real: an Optuna study on PostgreSQL, local worker processes each in its own
+clone of a bare git remote, a folder as the DVC remote, one worker killed mid-trial."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from stages.sweep import SweepError, load_sweep
+from tests.conftest import ROOT, copy_repo, env_with, run
+from tests.services import create_database, postgres  # noqa: F401
+from tests.slurm import slurm  # noqa: F401
+
+GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
+# Random points seeded per trial number: trials 0-2 GOOD, 3 BAD, 4-7 GOOD (seed 10; see
+# stages.sweep.sampler_for), so trials 0 and 1 train side by side, later ones repeat them, and
+# trial 3 starts once one of them is complete: the pruner has a curve to judge it by.
+TINY = f"""
+objective: {{file: models/train/metrics.json, metric: best_val_acc, direction: maximize}}
+trials: 8
+sampler: {{name: random, seed: 10}}
+pruner: {{name: median, n_startup_trials: 1, n_warmup_steps: 0}}
+params: {{epochs: 2, model.width: 8, data.image_size: 8, train.warmup_epochs: 0.0}}
+space:
+  lr: {{type: choice, values: [{GOOD}, {BAD}]}}
+heartbeat_s: 1
+grace_s: 4
+"""
+
+
+def sweep_file(folder: Path, text: str) -> Path:
+    path = folder / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    ("lrr: {type: float, low: 0.001, high: 0.1}",
+     "space.lrr: unknown key 'lrr'; did you mean 'lr'?"),
+    ("train.optimiser: {type: choice, values: [sgd]}",
+     "space.train.optimiser: unknown key 'train.optimiser'; did you mean 'train.optimizer'?"),
+    ("lr: {type: float, low: 0.1, high: 0.001}", "space.lr: low=0.1 must be below high=0.001"),
+    ("lr: {type: float, low: 0.0, high: 0.1, log: true}", "space.lr: log: true needs low > 0"),
+    ("lr: {type: float, low: -1.0, high: 0.1}", "space.lr: lr=-1.0 is invalid: must be > 0"),
+    ("epochs: {type: float, low: 1.0, high: 5.0}", "space.epochs: epochs=1.0 must be int"),
+    ("train.optimizer: {type: choice, values: [adamw, lion]}",
+     "space.train.optimizer: train.optimizer='lion' is invalid: choose one of adamw, sgd"),
+    ("lr: {type: loguniform, low: 0.001, high: 0.1}", "space.lr needs type: float, int, choice"),
+])
+def test_a_bad_space_fails_naming_the_key(tmp_path, edit, message):
+    text = TINY.split("space:")[0] + f"space:\n  {edit}\n"
+    with pytest.raises(SweepError) as e:
+        load_sweep(sweep_file(tmp_path, text))
+    assert message in str(e.value) and str(e.value).count("\n") == 0, str(e.value)
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("name: random", "name: annealing", "sampler.name='annealing' is unknown; choose one of tpe, random"),
+    ("name: median", "name: hyperband2", "pruner.name='hyperband2' is unknown"),
+    ("n_warmup_steps: 0", "n_warmup_step: 0", "pruner median: got an unexpected keyword argument"),
+    ("metric: best_val_acc", "metric: best_val_ac", "objective.metric='best_val_ac' is not in "
+     "models/train/metrics.json; did you mean 'best_val_acc'?"),
+    ("file: models/train/metrics.json", "file: models/train/history.csv",
+     "objective.file='models/train/history.csv' is not a metrics file of dvc.yaml"),
+    ("trials: 8", "trails: 8", "unknown key 'trails'; did you mean 'trials'?"),
+    ("model.width: 8", "model.widht: 8", "params.model.widht: unknown key 'model.widht'"),
+    ("grace_s: 4", "grace_s: 1", "grace_s=1 must exceed heartbeat_s=1"),
+])
+def test_a_bad_sweep_file_fails_naming_the_key(tmp_path, old, new, message):
+    assert old in TINY
+    with pytest.raises(SweepError) as e:
+        load_sweep(sweep_file(tmp_path, TINY.replace(old, new)))
+    assert message in str(e.value) and str(e.value).count("\n") == 0, str(e.value)
+
+
+def test_the_shipped_sweep_file_is_valid():
+    spec = load_sweep(ROOT / "sweeps/lr.yaml")
+    assert spec["space"]["lr"]["log"] and spec["objective"]["stage"] == "train"
+
+
+def test_outside_a_sweep_training_logs_as_before(monkeypatch):
+    """No study in the environment: the loop's `log` itself, optuna never imported."""
+    from stages import trial
+    from stages.loop import no_log
+
+    monkeypatch.delenv(trial.STUDY_ENV, raising=False)
+    assert trial.reporting(no_log, rank=0, world=1) is no_log
+
+
+def test_parallel_workers_on_sqlite_are_refused_in_one_line(tmp_path):
+    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--workers", "2",
+             "--storage", f"sqlite:///{tmp_path}/study.db"], ROOT, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "2 workers: Optuna's FAQ says not to share SQLite" in p.stderr
+    assert "optuna.readthedocs.io/en/stable/faq.html" in p.stderr
+    assert not (tmp_path / "study.db").exists()  # refused before anything started
+
+
+def test_a_bad_sweep_file_fails_before_the_storage_is_touched(tmp_path):
+    bad = sweep_file(tmp_path, TINY.replace("lr:", "lrr:"))
+    p = run([sys.executable, "-m", "stages.sweep", "run", str(bad), "--storage",
+             "postgresql://nobody@127.0.0.1:1/none"], ROOT, check=False)
+    assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
+    assert "space.lrr: unknown key 'lrr'; did you mean 'lr'?" in p.stderr
+
+
+def trials_of(uri: str, study: str):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=study, storage=uri).get_trials()
+
+
+def training_trial(uri: str, study: str, deadline_s: float):
+    """A running trial of the GOOD point that has reported an epoch: one mid-training."""
+    end = time.time() + deadline_s
+    while time.time() < end:
+        try:
+            trials = trials_of(uri, study)
+        except KeyError:  # not created yet
+            trials = []
+        with_epochs = [t for t in trials if t.state.name == "RUNNING"
+                       and t.intermediate_values and t.params.get("lr") == GOOD]
+        if with_epochs:
+            return with_epochs[0]
+        time.sleep(0.2)
+    raise AssertionError("no trial reached its first epoch")
+
+
+def project(tmp_path: Path, sweep: str) -> Path:
+    """A user's repo with a folder as its DVC remote and a bare repository as `origin`."""
+    repo = copy_repo(tmp_path / "repo")
+    run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], repo)
+    (repo / "sweeps/tiny.yaml").write_text(sweep)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "a DVC remote and a sweep"], repo)
+    run(["git", "clone", "-q", "--bare", str(repo), str(tmp_path / "origin.git")], tmp_path)
+    run(["git", "remote", "add", "origin", str(tmp_path / "origin.git")], repo)
+    return repo
+
+
+def sweep(repo: Path, env: dict, study: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml",
+                             "--workers", "2", "--study", study, *args], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(coordinator: subprocess.Popen) -> str:
+    try:
+        out, _ = coordinator.communicate(timeout=600)
+    finally:
+        coordinator.terminate()  # it stops its workers (SIGTERM to each one's process group)
+        coordinator.wait(60)
+    print(out)
+    return out
+
+
+@pytest.mark.slow
+def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp_path, postgres):  # noqa: F811
+    repo = project(tmp_path, TINY)
+    uri = create_database(postgres, "sweep")
+    study = "tiny"
+    coordinator = sweep(repo, env_with(REPROTRAIN_SWEEP_STORAGE=uri), study)
+    try:
+        # SIGKILL to the worker's process group: as a node, a pod or the OOM killer takes a
+        # worker with everything it started.
+        victim = training_trial(uri, study, deadline_s=240)
+        os.killpg(int(victim.user_attrs["worker"].split(":")[1]), signal.SIGKILL)
+        killed = victim.number
+    finally:
+        out = finish(coordinator)
+    assert coordinator.returncode == 0, out[-5000:]
+
+    # Every trial ended; the killed one failed through its heartbeat and ran again elsewhere,
+    # after it had ended (never twice at once); none is missing.
+    trials = {t.number: t for t in trials_of(uri, study)}
+    assert {t.state.name for t in trials.values()} <= {"COMPLETE", "PRUNED", "FAIL"}
+    assert set(range(8)) <= set(trials)
+    failed = [t for t in trials.values() if t.state.name == "FAIL"]
+    assert [t.number for t in failed] == [killed], out[-5000:]
+    (retry,) = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed]
+    assert retry.state.name == "COMPLETE" and retry.params == trials[killed].params
+    assert retry.datetime_start >= trials[killed].datetime_complete
+    assert f"retried as trial {retry.number}" in out and "stopped sending heartbeats" in out
+
+    # A point that had been trained and pushed is a run-cache restore, with the same result.
+    complete = [t for t in trials.values() if t.state.name == "COMPLETE"]
+    trained = [t for t in complete if t.user_attrs["retrained"]]
+    restored = [t for t in complete if not t.user_attrs["retrained"]]
+    assert trained and restored, out[-5000:]
+    assert {t.value for t in restored} <= {t.value for t in trained}
+    assert f"({len(restored)} restored from the run-cache)" in out
+
+    # The pruned trials (BAD after a GOOD one completed) left no experiment, lock or run-cache
+    # entry; their MLflow runs end KILLED, tagged, with the curve up to the stop.
+    pruned = [t for t in trials.values() if t.state.name == "PRUNED"]
+    assert pruned and all(t.params["lr"] == BAD for t in pruned), out[-5000:]
+    refs = run(["git", "ls-remote", str(tmp_path / "origin.git")], tmp_path).stdout
+    for t in complete:
+        assert f"/{t.user_attrs['dvc_exp']}\n" in refs
+    for t in pruned:
+        assert f"/{t.user_attrs['dvc_exp']}\n" not in refs
+    cached_lrs = {YAML(typ="safe").load(f.read_text())["params"]["params.yaml"].get("lr")
+                  for f in (tmp_path / "dvc-remote/runs").rglob("*") if f.is_file()}
+    assert BAD not in cached_lrs and GOOD in cached_lrs, cached_lrs
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, output_format="list")
+    (parent,) = [r for r in runs if r.info.run_name == study]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    names = {r.info.run_name for r in children}
+    assert {t.user_attrs["dvc_exp"] for t in trained + pruned} <= names
+    for t in pruned:
+        (r,) = [r for r in children if r.info.run_name == t.user_attrs["dvc_exp"]]
+        assert r.data.tags["pruned"] == "true" and r.info.status == "KILLED"
+        history = mlflow.MlflowClient().get_metric_history(r.info.run_id, "val/acc")
+        assert len(history) == t.user_attrs["pruned_at_epoch"] == 1
+    assert parent.data.params["sweep.trials"] == "8"
+
+    # What a person reads: every complete trial pulled back, `make exps` sorted by the
+    # objective, the picture, a progress line per change.
+    listed = run(["dvc", "exp", "list", "--name-only"], repo).stdout.split()
+    assert {t.user_attrs["dvc_exp"] for t in complete} <= set(listed)
+    (repo / ".venv").symlink_to(Path(sys.executable).parents[1])
+    table = run(["make", "-s", "exps", "EXPS_SORT=models/train/metrics.json:best_val_acc"],
+                repo).stdout
+    shown = [float(line.split()[1]) for line in table.splitlines()[1:]
+             if line.startswith(f"{study}-")]
+    assert len(shown) == len(complete) and shown == sorted(shown, reverse=True), table
+    assert (repo / f".dvc/tmp/sweeps/{study}/trials.png").stat().st_size > 10_000
+    progress = [ln for ln in out.splitlines() if re.match(r"\d\d:\d\d:\d\d \d/8 done", ln)]
+    assert len(progress) == len(set(progress)) >= 5, out  # a line per change, and only then
+    assert re.search(r"8/8 done: \d complete, \d pruned, 1 failed \(1 retried\), 0 running, "
+                     r"0 waiting; best best_val_acc 0\.\d{4} \(trial \d: lr=0.01\)", progress[-1])
+
+
+@pytest.mark.slow
+def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgres, slurm,  # noqa: F811
+                                                                 monkeypatch):
+    """The same workers as SLURM array tasks on a one-node cluster (munged, slurmctld, slurmd on
+    loopback); `scancel` of the task that is training is a dead worker."""
+    from stages import slurm as launcher
+
+    repo = project(tmp_path, TINY.replace("trials: 8", "trials: 4"))
+    uri = create_database(postgres, "slurm_sweep")
+    env = env_with(REPROTRAIN_SWEEP_STORAGE=uri, **slurm)
+    coordinator = sweep(repo, env, "onslurm", "--launcher", "slurm")
+    try:
+        victim = training_trial(uri, "onslurm", deadline_s=240)
+        job, task = victim.user_attrs["slurm_task"].split("_")
+        for k, v in slurm.items():  # scancel finds the cluster through SLURM_CONF
+            monkeypatch.setenv(k, v)
+        launcher.cancel(job, int(task))
+    finally:
+        out = finish(coordinator)
+    assert coordinator.returncode == 0, out[-5000:]
+    assert f"SLURM array job {job}: 2 tasks" in out
+    trials = {t.number: t for t in trials_of(uri, "onslurm")}
+    assert trials[victim.number].state.name == "FAIL"
+    (retry,) = [t for t in trials.values() if t.system_attrs.get("failed_trial") == victim.number]
+    assert retry.state.name == "COMPLETE" and retry.params == victim.params
+    assert retry.datetime_start >= trials[victim.number].datetime_complete
+    assert {t.state.name for t in trials.values()} <= {"COMPLETE", "PRUNED", "FAIL"}
+    assert set(range(4)) <= set(trials)
+    assert all(t.user_attrs["slurm_task"].startswith(f"{job}_") for t in trials.values())
+    assert launcher.states(job)[int(task)] == "CANCELLED"
