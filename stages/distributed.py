@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import fcntl
 import os
+import re
+import signal
+import socket
+import struct
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from stages.config import ParamsError, TrainConfig
+from stages.config import ParamsError, TrainConfig, UserError
 
 
 def requested_processes(cfg: TrainConfig, batch_size: int) -> int:
@@ -60,6 +69,15 @@ def init(cfg: TrainConfig) -> tuple[int, int]:
         # NCCL may otherwise hang, or put every process's buffers on GPU 0.
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_agent()
+    if device is None and spans_machines() and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # Gloo binds to what this machine's hostname resolves to, which Debian maps to 127.0.1.1:
+        # the other machines would be told to connect to their own loopback. The interface that
+        # reaches rank 0's machine (MASTER_ADDR) is the one the others can reach us on.
+        interface = route_interface(os.environ["MASTER_ADDR"])
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     # NCCL between GPUs, gloo between CPU processes; a bounded timeout so that a rank that died
     # does not leave the others waiting for the default 30 minutes.
     torch.distributed.init_process_group("nccl" if device else "gloo", device_id=device,
@@ -70,3 +88,92 @@ def init(cfg: TrainConfig) -> tuple[int, int]:
 def shutdown() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextmanager
+def group(cfg: TrainConfig) -> Iterator[tuple[int, int]]:
+    """(rank, world size) for the duration, as `init`. Processes that cannot reach each other,
+    or one that dies (a machine lost, a process killed), end this one with one line instead of
+    a gloo traceback."""
+    try:
+        rank, world = init(cfg)
+    except RuntimeError as e:
+        if not network_error(e):
+            raise
+        raise UserError(f"the training group could not connect ({network_cause(e)}): on several "
+                        "machines, each needs --local-addr=<its address> and the first one "
+                        "--rdzv-conf=is_host=1, and GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on "
+                        "GPUs) names the interface that reaches the others; see README "
+                        "\"Several machines\"") from None
+    try:
+        yield rank, world
+    except RuntimeError as e:
+        if world == 1 or not network_error(e):
+            raise
+        raise UserError(f"rank {rank} of {world} lost contact with the training group "
+                        f"({network_cause(e)}): another process or machine of it stopped (see "
+                        "its log). Start torchrun again on every machine: training resumes from "
+                        "rank 0's last checkpoint") from None
+    finally:
+        shutdown()
+
+
+def network_error(e: RuntimeError) -> bool:
+    """Whether a collective failed for want of the other processes: gloo raises plain
+    RuntimeErrors naming its transport, NCCL and the store raise DistError."""
+    text = str(e)
+    return isinstance(e, torch.distributed.DistError) or "gloo/transport" in text \
+        or "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
+def network_cause(e: RuntimeError) -> str:
+    """gloo's first line, less its source locations and its advice: "Connection reset by peer"."""
+    return re.sub(r"\[(?:enforce fail at )?[^] ]*:\d+\] ", "", str(e).splitlines()[0]) \
+        .split(". This is")[0]
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (pickled: for the group's own processes only). An
+    exception is raised on every rank, so that no rank waits for one that stopped."""
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def die_with_agent() -> None:
+    """SIGKILL for this process when its torchrun agent dies. torchrun starts workers in a
+    session of their own, so a killed agent leaves them training on, unwatched: the other
+    machines never learn of it, and a torchrun started again here would run a second rank 0
+    over the same checkpoints."""
+    if not sys.platform.startswith("linux"):
+        return
+    agent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != agent:  # it died before the request took hold
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def spans_machines() -> bool:
+    """Whether this torchrun group has processes on other machines (torchrun's nnodes > 1)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) < int(os.environ["WORLD_SIZE"])
+
+
+def route_interface(host: str) -> str | None:
+    """The name of the network interface this machine reaches `host` through (IPv4); None when
+    that cannot be told (GLOO_SOCKET_IFNAME then says it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # a UDP connect sends nothing: the kernel only picks the route
+            local = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address, in a struct ifreq
+                    ifreq = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue  # no IPv4 address
+                if socket.inet_ntoa(ifreq[20:24]) == local:
+                    return name
+    except OSError:
+        pass
+    return None

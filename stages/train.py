@@ -56,11 +56,8 @@ def main() -> None:
     nproc = distributed.requested_processes(params.train, params.batch_size)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
-    rank, world = distributed.init(params.train)
-    try:
+    with distributed.group(params.train) as (rank, world):
         train_stage(params, rank, world)
-    finally:
-        distributed.shutdown()
 
 
 def train_stage(params: Params, rank: int, world: int) -> None:
@@ -81,9 +78,10 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             and not remove_run(ckpt_dir, workspace):
         raise CheckpointError(f"train.resume: never, but {ckpt_dir} holds files this workspace "
                               "cannot prove it wrote; move or delete that folder yourself")
-    if world > 1:
-        torch.distributed.barrier()  # every rank reads the checkpoints rank 0 left in place
-    resume = latest_checkpoint(ckpt_dir)
+    if world == 1:
+        resume = latest_checkpoint(ckpt_dir)
+    else:  # rank 0's checkpoint for every rank: the others may run on machines without it
+        resume = distributed.from_rank0(checkpoint_or_error(ckpt_dir) if rank == 0 else None)
     if resume is None and rank == 0:
         tidy_other_runs(ckpt_dir, workspace, decisive)
         open_run_dir(ckpt_dir, workspace, decisive)
@@ -149,6 +147,13 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
           f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
           f"{result.best_epoch}, {result.train_s:.1f}s")
+
+
+def checkpoint_or_error(ckpt_dir: Path) -> dict | None | CheckpointError:
+    try:
+        return latest_checkpoint(ckpt_dir)
+    except CheckpointError as e:
+        return e
 
 
 def training_params(params: Params) -> dict:

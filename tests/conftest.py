@@ -22,14 +22,19 @@ GIT_ID = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
           "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.com"}
 
 
-@pytest.fixture(scope="session")
-def digits() -> tuple[dict[str, Split], dict]:
+def digits_data() -> tuple[dict[str, Split], dict]:
+    """The digits as prepare splits them with the default params: (splits, meta)."""
     cfg = DataConfig()
     x, y, classes = load_digits()
     x = resize(x, cfg.image_size, cfg.channels)
     parts = stratified_split(y, cfg.val_fraction, cfg.test_fraction, seed=0)
     splits = {k: Split(x[parts[k]], y[parts[k]]) for k in SPLITS}
     return splits, build_meta(splits, classes, cfg)
+
+
+@pytest.fixture(scope="session")
+def digits() -> tuple[dict[str, Split], dict]:
+    return digits_data()
 
 
 @pytest.fixture(scope="session")

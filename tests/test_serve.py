@@ -295,7 +295,7 @@ def test_dockerfile_names_the_locked_versions_and_the_pyfunc_server(in_workspace
     assert requirements == [f"{name}=={locked[name]}" for name in
                             ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")]
     assert sorted(p.name for p in (out / "model_dir/model/code/stages").iterdir()) == \
-        ["__init__.py", "config.py", "images.py", "predict.py"]
+        ["__init__.py", "cli.py", "config.py", "images.py", "predict.py"]
 
 
 def test_ctrl_c_stops_the_server(server):
