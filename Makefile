@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share sweep test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share sync sweep test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -69,6 +69,11 @@ sweep: export REPROTRAIN_SWEEP_STORAGE := $(or $(STORAGE),$(REPROTRAIN_SWEEP_STO
 sweep: setup ## an Optuna study of DVC experiments: SWEEP=sweeps/lr.yaml TRIALS= WORKERS= LAUNCHER=local|slurm STORAGE= REMOTE=
 	$(PY) -m stages.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) --remote $(REMOTE) \
 		$(if $(TRIALS),--trials $(TRIALS)) $(if $(STUDY),--study $(STUDY))
+# The runs a stage spooled while the tracking server was down (.mlflow-spool/), or with
+# FROM=sqlite:///path/mlflow.db a machine's own runs, onto MLFLOW_TRACKING_URI; exactly once.
+FROM ?=
+sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
+	$(PY) -m stages.sync $(if $(FROM),--from '$(FROM)')
 
 # Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from stages.config import ParamsError, TrainConfig, UserError
+from stages.cli import UserError
+from stages.config import ParamsError, TrainConfig
 
 
 def requested_processes(cfg: TrainConfig, batch_size: int) -> int:

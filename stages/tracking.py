@@ -7,8 +7,10 @@ store with the params they run with; otherwise (training was restored from DVC's
 belongs to another experiment, the run was deleted or is in another store, or an `eval.*` param
 changed since: MLflow params are immutable) they open a run of their own, named after the
 experiment and linked to the run that trained the model (tag `training_run_id`). Tracking
-never crashes training: when the store is unreachable, the stage warns once and goes on with a
-no-op tracker; the DVC outputs are written all the same.
+never crashes training: when a tracking server stops answering (at the start or mid-run), the
+stage says so once and logs the rest into a local spool (.mlflow-spool/, an embedded store)
+that `make sync` (stages/sync.py) replays; any other store that fails leaves a no-op tracker.
+The DVC outputs are written all the same.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import csv
 import json
 import logging
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -43,6 +46,8 @@ os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
 # MLflow's sqlite store logs every database error with its traceback (about 60 lines for a
 # read-only mlflow.db) before raising it; the one warning below says it instead.
 logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+# Its logging thread logs each batch a gone server refused; the Tracker spools them instead.
+logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
 
 RUN_FILE = "run.json"
 # A sweep's trials (stages/sweep.py) are children of the study's run: MLflow nests them under it.
@@ -164,18 +169,137 @@ def _md5(path: Path) -> str:
     return file_hash(path, "md5")
 
 
-class Tracker:
-    """Logs into one MLflow run; every call is a no-op once tracking has failed."""
+# Where a stage logs while the tracking server does not answer: an embedded store of its own
+# (not a DVC output, git-ignored), which `make sync` replays onto the server.
+SPOOL = ".mlflow-spool"
+SERVER_RUN = "reprotrain.server_run_id"  # a spooled run continues this run of the server
+SYNCED = "reprotrain.synced"  # a spooled run already sent whole (to <server>@<end time>)
+REPLAY_S = 30  # a stage replays the spool for at most this long before its own work
+PROBE_S = 2.0
 
-    def __init__(self, uri: str):
+
+def spool_file() -> Path:
+    return repo_root() / SPOOL / "mlflow.db"
+
+
+def spool_uri() -> str:
+    return f"sqlite:///{spool_file()}?timeout=60"
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def plain_uri(uri: str) -> str:
+    """A store's URI without the user and password it may carry."""
+    return re.sub(r"//[^/@]*@", "//", uri)
+
+
+def reachable(uri: str) -> bool:
+    """Whether the server answers at all (any HTTP status: a refusal is not an outage), within
+    PROBE_S: one quick look before minutes of MLflow's own retries."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(plain_uri(uri).rstrip("/") + "/health", timeout=PROBE_S):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _spool_run(experiment: str, run_id: str | None, name: str, server: str):
+    """Open the spool's run for `run_id` (a run of the server, or one spooled before), or a
+    new one; the fluent API's tracking URI is the spool's already."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    with _store_lock(spool_uri()):
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            location = (repo_root() / SPOOL / "artifacts").as_uri()
+            exp_id = client.create_experiment(experiment, artifact_location=location,
+                                              tags=EXPERIMENT_TAGS)
+        else:
+            exp_id = exp.experiment_id
+            if exp.lifecycle_stage == "deleted":
+                client.restore_experiment(exp_id)
+    (spool_file().parent / "unsynced").touch()
+    found = None
+    if run_id:
+        runs = client.search_runs([exp_id], filter_string=f"tags.`{SERVER_RUN}` = '{run_id}'",
+                                  max_results=1)
+        found = runs[0].info.run_id if runs else None
+        if found is None:
+            try:
+                found = client.get_run(run_id).info.run_id  # a run spooled at its start
+            except Exception:  # noqa: BLE001 - a run of the server: continued below
+                pass
+    if found:
+        if SYNCED in client.get_run(found).data.tags:  # reopened: sync sends it again
+            client.delete_tag(found, SYNCED)
+        return mlflow.start_run(run_id=found)
+    return mlflow.start_run(experiment_id=exp_id, run_name=name or run_name(),
+                            tags={SERVER_RUN: run_id or "", "reprotrain.spooled_for": plain_uri(server),
+                                  "reprotrain.spooled_on": platform.node()})
+
+
+def replay_spool(uri: str) -> None:
+    """A stage that finds the server answering sends what was spooled first (at most
+    REPLAY_S; `make sync` sends the rest). Never fails the stage."""
+    marker = spool_file().parent / "unsynced"
+    if not is_server(uri) or not marker.exists():
+        return
+    from stages.sync import sync
+
+    started = time.time()
+    try:
+        report = sync(spool_uri(), uri, budget_s=REPLAY_S, unsynced_only=True)
+    except Exception as e:  # noqa: BLE001 - the stage's own run comes first
+        print(f"warning: replaying the spool {SPOOL}/ to {plain_uri(uri)} failed ({reason(e)}); "
+              "`make sync` retries it", file=sys.stderr)
+        return
+    if not report.left:
+        spool_synced(started)
+    if report.runs or report.left:
+        print(report.line(f"{SPOOL}/", plain_uri(uri)), file=sys.stderr)
+
+
+def spool_synced(since: float) -> None:
+    """Everything spooled before `since` is on the server: stages stop looking at the spool."""
+    marker = spool_file().parent / "unsynced"
+    try:
+        if marker.stat().st_mtime < since:
+            marker.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class Tracker:
+    """Logs into one MLflow run. When the store is a server that stops answering, the rest of
+    the run goes to the local spool (`spool_uri`), which `make sync` replays; when the spool
+    fails too, or the store is not a server, every later call is a no-op."""
+
+    def __init__(self, uri: str, experiment: str = ""):
         self.uri, self.run_id, self.enabled = uri, None, False
+        self.experiment, self.name = experiment, ""
+        self.spooled = False  # logging into the spool since the server went away
+        self.spool_run_id: str | None = None
         self.logged: dict[str, int] = {}  # a resumed run's last step of each metric
+        # Steps sent asynchronously and not yet confirmed: a server that dies loses its queue,
+        # so they go to the spool again (sync skips those the server did store).
+        self.pending: list[tuple[dict[str, float], int, int, Any]] = []
 
     def resume(self) -> None:
         """A run resumed from a checkpoint repeats what it logged after that checkpoint (the
         epoch's row goes out just before it, steps up to 1 s before a kill): `log` skips those
         steps, which a bitwise resume would log with the same values."""
-        self.logged = self._call(_last_steps, self.run_id) or {}
+        import mlflow
+
+        # The active run's: the spool's when the server is down (sync skips the server's steps).
+        self.logged = self._call(lambda: _last_steps(mlflow.active_run().info.run_id)) or {}
 
     def _call(self, fn, *args, **kwargs) -> Any:
         if not self.enabled:
@@ -184,10 +308,62 @@ class Tracker:
             with timed("tracking_s"):
                 return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
+            if self._spool(e):
+                return self._call(fn, *args, **kwargs)
             self.enabled = False
             warnings.warn(f"MLflow logging to {self.uri} failed ({reason(e)}); "
                           "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
             return None
+
+    def _spool(self, e: Exception | None) -> bool:
+        """Go on in the spool, once, when the server does not answer (`e`: what failed, None
+        at the start). Fluent calls then log into the spooled run; the server's run id stays
+        `run_id`, the one run.json and checkpoints name."""
+        import mlflow
+
+        if self.spooled or not is_server(self.uri) or (e is not None and reachable(self.uri)):
+            return False
+        self.spooled, where = True, spool_uri()
+        try:
+            with timed("tracking_s"):
+                mlflow.set_tracking_uri(where)
+                if mlflow.active_run():  # the server's: end_run forgets it, then asks the spool
+                    try:
+                        mlflow.end_run()
+                    except Exception:  # noqa: BLE001 - the spool has no such run
+                        pass
+                run = _spool_run(self.experiment, self.run_id, self.name, self.uri)
+                self.run_id, self.spool_run_id = self.run_id or run.info.run_id, run.info.run_id
+                for metrics, step, ts, _ in self.pending:
+                    mlflow.log_metrics(metrics, step=step, timestamp=ts)
+                self.pending.clear()
+        except Exception as spool_error:  # noqa: BLE001 - a full disk: no tracking, as before
+            self.enabled = False
+            warnings.warn(f"MLflow tracking at {plain_uri(self.uri)} is unreachable and the local "
+                          f"spool failed too ({reason(spool_error)}); continuing without "
+                          "tracking, DVC outputs are unaffected", stacklevel=4)
+            return False
+        self.enabled = True
+        cause = re.search(r"\[Errno -?\d+\] [\w ]+|timed out", str(e)) if e else None
+        print(f"warning: MLflow server {plain_uri(self.uri)} is unreachable"
+              + (f" ({cause[0]})" if cause else "") + f"; this run is spooled to {SPOOL}/ "
+              "(`make sync` sends it when the server is back; DVC outputs are unaffected)",
+              file=sys.stderr)
+        return True
+
+    @property
+    def store(self) -> str:
+        """The store that holds `run_id`: the spool for a run spooled from its start."""
+        return spool_uri() if self.spooled and self.run_id == self.spool_run_id else self.uri
+
+    def _confirm(self) -> None:
+        """The asynchronous steps reached the store, or they go to the spool."""
+        import mlflow
+
+        mlflow.flush_async_logging()
+        for *_, ops in self.pending:
+            ops.wait()  # raises what the store answered
+        self.pending.clear()
 
     def log(self, metrics: dict[str, float], step: int, durable: bool = False) -> None:
         """The loop's `log`: a step's figures asynchronously, since a synchronous sqlite write
@@ -197,11 +373,17 @@ class Tracker:
 
         named = {metric_name(k): v for k, v in metrics.items()}
         named = {k: v for k, v in named.items() if step > self.logged.get(k, -1)}
-        if not named:
+        if not named or not self.enabled:
             return
+        # One timestamp, also for a retry in the spool: sync tells a copy by step and time.
+        ts = int(time.time() * 1000)
         if durable:
-            self._call(mlflow.flush_async_logging)
-        self._call(mlflow.log_metrics, named, step=step, synchronous=durable)
+            self._call(self._confirm)
+            self._call(mlflow.log_metrics, named, step=step, timestamp=ts, synchronous=True)
+            return
+        ops = self._call(mlflow.log_metrics, named, step=step, timestamp=ts, synchronous=False)
+        if ops is not None and not self.spooled:
+            self.pending.append((named, step, ts, ops))
 
     def log_metrics(self, metrics: dict[str, float], prefix: str = "", step: int = 0) -> None:
         """Synchronously, as one batch; a batch the store refuses is retried one metric at a
@@ -212,19 +394,19 @@ class Tracker:
         named = {metric_name(prefix + k): float(v) for k, v in metrics.items()}
         if not self.enabled:
             return
+        ts = int(time.time() * 1000)
         try:
             with timed("tracking_s"):
-                mlflow.log_metrics(named, step=step)
+                mlflow.log_metrics(named, step=step, timestamp=ts)
             return
-        except MlflowException:
-            pass
-        except Exception:  # noqa: BLE001 - unreachable store: warn once, go on
-            self._call(mlflow.log_metrics, named, step=step)
-            return
+        except Exception as e:  # noqa: BLE001 - a server gone: the spool; a store down: warn
+            if self._spool(e) or not isinstance(e, MlflowException):
+                self._call(mlflow.log_metrics, named, step=step, timestamp=ts)
+                return
         refused = []
         for name, value in named.items():
             try:
-                mlflow.log_metric(name, value, step=step)
+                mlflow.log_metric(name, value, step=step, timestamp=ts)
             except MlflowException:
                 refused.append(name)
         if refused:
@@ -239,7 +421,9 @@ class Tracker:
     def has_metric(self, name: str) -> bool:
         import mlflow
 
-        return bool(self._call(lambda: name in mlflow.get_run(self.run_id).data.metrics))
+        # The active run: the spooled one when the server went away.
+        return bool(self._call(lambda: name in mlflow.get_run(
+            mlflow.active_run().info.run_id).data.metrics))
 
     def log_params(self, params: dict[str, Any]) -> None:
         import mlflow
@@ -352,30 +536,43 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
     """Open a new run named after the experiment (or `name`; or reopen `run_id`); end it
     FINISHED, FAILED or KILLED. `keep_duration`: a later stage's logging does not stretch the
     run's Duration, which stays the training's. Under a sweep the run is a child of the
-    study's run (PARENT_RUN_ENV)."""
-    tracker = Tracker(tracking_uri(cfg))
+    study's run (PARENT_RUN_ENV). A server that does not answer costs one quick probe: the run
+    goes to the spool; one that answers again first gets what was spooled."""
+    import mlflow
+
+    tracker = Tracker(tracking_uri(cfg), cfg.experiment)
+    tracker.run_id, tracker.name = run_id, "" if run_id else (name or run_name())
     ended = None
     try:
         with timed("tracking_s"):
-            import mlflow
-
-            mlflow.set_tracking_uri(tracker.uri)
-            with _store_lock(tracker.uri):
-                exp_id = _experiment_id(cfg.experiment, tracker.uri)
-            if run_id:
-                ended = mlflow.MlflowClient().get_run(run_id).info.end_time if keep_duration else None
-                run = mlflow.start_run(run_id=run_id)
+            if is_server(tracker.uri) and not reachable(tracker.uri):
+                tracker._spool(None)
             else:
-                run = mlflow.start_run(experiment_id=exp_id, run_name=name or run_name())
-            tracker.run_id, tracker.enabled = run.info.run_id, True
-            tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
-                              "lock_sha256": lock_hash(),
-                              "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
-                              "mlflow.parentRunId": os.environ.get(PARENT_RUN_ENV),
-                              **(tags or {})})
+                replay_spool(tracker.uri)
+                mlflow.set_tracking_uri(tracker.uri)
+                with _store_lock(tracker.uri):
+                    exp_id = _experiment_id(cfg.experiment, tracker.uri)
+                if run_id:
+                    run_id = _server_id(cfg.experiment, run_id, tracker.uri) \
+                        if is_server(tracker.uri) else run_id
+                    ended = mlflow.MlflowClient().get_run(run_id).info.end_time
+                    run = mlflow.start_run(run_id=run_id)
+                else:
+                    run = mlflow.start_run(experiment_id=exp_id, run_name=tracker.name)
+                tracker.run_id, tracker.enabled = run.info.run_id, True
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
-        warnings.warn(f"MLflow tracking at {tracker.uri} is unavailable ({reason(e)}); "
-                      "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
+        if not tracker._spool(e):
+            warnings.warn(f"MLflow tracking at {plain_uri(tracker.uri)} is unavailable "
+                          f"({reason(e)}); continuing without tracking, DVC outputs are "
+                          "unaffected", stacklevel=3)
+    if tracker.spooled:  # a reopened spooled run keeps its end; a new one has none
+        ended = tracker._call(lambda: mlflow.active_run().info.end_time)
+    if not keep_duration:
+        ended = None
+    tracker.set_tags({"git_commit": git_commit(), "dvc_exp_name": exp_name(),
+                      "lock_sha256": lock_hash(),
+                      "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+                      "mlflow.parentRunId": os.environ.get(PARENT_RUN_ENV), **(tags or {})})
     # SIGTERM (a CI cancel, `kill`) becomes SystemExit, so the run is closed as KILLED.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     status = "FINISHED"
@@ -390,13 +587,14 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
     finally:
         signal.signal(signal.SIGTERM, previous)
         if tracker.run_id:
-            import mlflow
-
-            tracker._call(mlflow.flush_async_logging)
+            tracker._call(tracker._confirm)
             tracker.enabled = True  # close the run even if a log call failed on the way
+            active = tracker._call(lambda: mlflow.active_run().info.run_id)
             tracker._call(mlflow.end_run, status)
-            if ended:
-                tracker._call(mlflow.MlflowClient().set_terminated, tracker.run_id, status, ended)
+            if ended and active:
+                tracker._call(lambda: mlflow.MlflowClient().set_terminated(active, status, ended))
+            if tracker.spooled:  # after its end: a sync that saw it running sends it again
+                (spool_file().parent / "unsynced").touch()
 
 
 def link_model(run: Tracker, model: Path) -> None:
@@ -408,7 +606,7 @@ def link_model(run: Tracker, model: Path) -> None:
 
 def _write_link(path: Path, run: Tracker, md5: str) -> None:
     """run.json: which run is this experiment's, for this model."""
-    write_json(path, {"run_id": run.run_id, "tracking_uri": run.uri, "model_md5": md5,
+    write_json(path, {"run_id": run.run_id, "tracking_uri": plain_uri(run.store), "model_md5": md5,
                       "dvc_exp_name": exp_name()})
 
 
@@ -428,6 +626,7 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
     link_file = train_dir / RUN_FILE
     link = json.loads(link_file.read_text()) if link_file.exists() else {}
     uri = tracking_uri(cfg)
+    link = _from_spool(cfg, link, uri)
     trained_by, why, note = None, "training was restored from DVC's run-cache", False
     if link.get("model_md5") == md5:
         trained_by = link.get("run_id")
@@ -464,6 +663,41 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
         yield run
 
 
+def _from_spool(cfg: MlflowConfig, link: dict, uri: str) -> dict:
+    """run.json naming a run spooled from its start: once the server answers, the spool is
+    replayed and the link names that run's copy on the server."""
+    if link.get("tracking_uri") != plain_uri(spool_uri()) or not is_server(uri) \
+            or not reachable(uri):
+        return link
+    replay_spool(uri)
+    try:
+        found = _server_id(cfg.experiment, link.get("run_id"), uri)
+    except Exception:  # noqa: BLE001 - start_run reports the server
+        return link
+    return link | {"run_id": found, "tracking_uri": uri} if found != link.get("run_id") else link
+
+
+def _server_id(experiment: str, run_id: str, uri: str) -> str:
+    """`run_id` on the server at `uri`: a run spooled from its start (run.json, a checkpoint
+    of a resumed training) is its copy there once replayed."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from stages.sync import SOURCE_RUN, label
+
+    client = mlflow.MlflowClient(uri)
+    try:
+        return client.get_run(run_id).info.run_id
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    exp = client.get_experiment_by_name(experiment)
+    key = f"{label(spool_uri())}#{run_id}"
+    runs = client.search_runs([exp.experiment_id], f"tags.`{SOURCE_RUN}` = '{key}'",
+                              max_results=1) if exp else []
+    return runs[0].info.run_id if runs else run_id
+
+
 def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
               params: dict[str, Any]) -> tuple[str | None, str | None]:
     """Why a later stage cannot log into the run `run_id` (None: it can), and the run that
@@ -473,6 +707,8 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
 
     if not run_id:
         return "training ran without tracking (no run id)", None
+    if is_server(uri) and not reachable(uri):  # start_run spools, and says so once
+        return None, run_id
     try:
         mlflow.set_tracking_uri(uri)
         with _store_lock(uri):

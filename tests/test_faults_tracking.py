@@ -35,9 +35,10 @@ def test_tracking_outage_never_stops_training(tmp_path, digits, mlflow_uri):
     p = run([sys.executable, "-m", "stages.train"], b,
             env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=down))
     assert time.perf_counter() - t < 120
-    assert p.stderr.count("is unavailable") == 1, p.stderr  # one warning, not one per metric
+    assert p.stderr.count("is unreachable") == 1, p.stderr  # one warning, not one per metric
     assert json.loads((b / "models/train/metrics.json").read_text())["epochs_run"] == 3
-    assert json.loads((b / "models/train/run.json").read_text())["run_id"] is None
+    # Kept in the local spool for `make sync` (tests/test_sync.py replays it).
+    assert ".mlflow-spool" in json.loads((b / "models/train/run.json").read_text())["tracking_uri"]
     wa = torch.load(a / "models/train/model.pt", weights_only=True)["model"]
     wb = torch.load(b / "models/train/model.pt", weights_only=True)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -1,0 +1,332 @@
+"""`make sync`: copy MLflow runs from a local store onto the tracking server, exactly once.
+
+    python -m stages.sync [--from sqlite:///path/mlflow.db] [--budget-s SECONDS]
+
+By default the source is the spool (.mlflow-spool/), where a stage logs while the server does
+not answer; `--from` moves a machine's embedded store up instead (a week of offline runs). The
+target is MLFLOW_TRACKING_URI. What is copied: each run's params, every metric step with its
+timestamp, tags, artifacts, datasets, its logged models (files and all) and their registered
+versions with their aliases. A spooled run that continues a run the server has (tag
+`reprotrain.server_run_id`) is merged into it; any other run becomes a new run on the server,
+tagged `reprotrain.source_run` = `<host>:<store>#<run id>`: where it came from, and how a second
+sync finds it. Everything is skipped that the target already holds (a metric step, an artifact
+of that path and size, a dataset, a model or version tagged with its source), so a second sync,
+or one after a sync killed halfway, lands each thing once. MLflow has no such mover (mlflow
+#2910); this is one module on MlflowClient, with an explicit URI for each store.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages import tracking
+from stages.cli import ArgumentParser, UserError, positive_int, run_stage
+
+# A progress bar per file would bury the one line sync prints.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+SOURCE_RUN = "reprotrain.source_run"  # on a run sync created: where it came from
+SOURCE_MODEL = "reprotrain.source_model"
+SOURCE_VERSION = "reprotrain.source_version"
+ALIASES_SET = "reprotrain.aliases_set"  # a version's aliases were decided (killed before: again)
+# Marks of the source that stay behind: the spool's own bookkeeping.
+LOCAL_TAGS = (tracking.SERVER_RUN, tracking.SYNCED)
+BATCH = 1000  # MLflow's limit of metrics per log_batch
+
+
+@dataclass
+class Report:
+    runs: int = 0  # runs that got something
+    skipped: int = 0  # runs the target already held whole
+    left: int = 0  # runs not reached before the time budget ran out
+    steps: int = 0
+    artifacts: int = 0
+    versions: int = 0
+    conflicts: list[str] = field(default_factory=list)
+
+    def line(self, source: str, target: str) -> str:
+        done = (f"synced {self.runs} run(s) from {source} to {target}: {self.steps} metric "
+                f"steps, {self.artifacts} artifacts, {self.versions} model versions; "
+                f"{self.skipped} run(s) already there")
+        if self.left:
+            done += f"; {self.left} run(s) left for the next `make sync`"
+        return done
+
+
+def label(uri: str) -> str:
+    """Where a run comes from, as a tag: this host and the store, never a password."""
+    return f"{platform.node()}:{tracking.plain_uri(uri).split('?')[0]}"
+
+
+def sync(source: str, target: str, budget_s: float | None = None,
+         unsynced_only: bool = False) -> Report:
+    """Copy every active run of `source` onto `target`; stop between runs after `budget_s`.
+    `unsynced_only`: leave out runs marked synced in the source (the spool's own mark)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    src, dst = MlflowClient(source), MlflowClient(target)
+    origin, report = label(source), Report()
+    deadline = time.monotonic() + budget_s if budget_s else None
+    for exp in src.search_experiments(view_type=ViewType.ACTIVE_ONLY):
+        runs = _all_runs(src, exp.experiment_id)
+        if unsynced_only:
+            runs = [r for r in runs if r.data.tags.get(tracking.SYNCED) != _mark(r, target)]
+        if not runs:
+            continue
+        exp_id = _experiment(dst, exp)
+        for i, run in enumerate(runs):
+            if deadline and time.monotonic() > deadline:
+                report.left += len(runs) - i
+                break
+            _sync_run(src, dst, run, exp_id, origin, report)
+            if run.info.status != "RUNNING" and source == tracking.spool_uri():
+                # Reopening a spooled run (a later stage) clears the mark: it is sent again.
+                src.set_tag(run.info.run_id, tracking.SYNCED, _mark(run, target))
+    return report
+
+
+def _mark(run, target: str) -> str:
+    return f"{tracking.plain_uri(target)}@{run.info.end_time}"
+
+
+def _all_runs(client, exp_id: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs([exp_id], order_by=["attributes.start_time ASC"],
+                                  max_results=1000, page_token=token)
+        runs += page
+        token = page.token
+        if not token:
+            return runs
+
+
+def _experiment(dst, exp) -> str:
+    """The target's experiment of that name: made with the source's tags when missing."""
+    from mlflow.exceptions import MlflowException
+
+    found = dst.get_experiment_by_name(exp.name)
+    if found is None:
+        try:
+            return dst.create_experiment(exp.name, tags=exp.tags)
+        except MlflowException:  # another sync or stage made it first
+            found = dst.get_experiment_by_name(exp.name)
+    if found.lifecycle_stage == "deleted":
+        dst.restore_experiment(found.experiment_id)
+    return found.experiment_id
+
+
+def _target_run(src, dst, run, exp_id: str, origin: str) -> tuple[str, bool, bool]:
+    """The target's run for `run`: (id, merged into a run the server had, made now)."""
+    from mlflow.exceptions import MlflowException
+
+    continues = run.data.tags.get(tracking.SERVER_RUN)
+    if continues:
+        try:
+            if dst.get_run(continues).info.lifecycle_stage == "active":
+                return continues, True, False
+        except MlflowException:  # not on this server: the spooled part becomes a run of its own
+            pass
+    key = f"{origin}#{run.info.run_id}"
+    found = dst.search_runs([exp_id], filter_string=f"tags.`{SOURCE_RUN}` = '{key}'",
+                            max_results=1)
+    if found:
+        return found[0].info.run_id, False, False
+    tags = {k: v for k, v in run.data.tags.items() if k not in LOCAL_TAGS} | {SOURCE_RUN: key}
+    made = dst.create_run(exp_id, start_time=run.info.start_time, tags=tags,
+                          run_name=run.info.run_name)
+    return made.info.run_id, False, True
+
+
+def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+
+    run_id = run.info.run_id
+    target, merged, made = _target_run(src, dst, run, exp_id, origin)
+    have = dst.get_run(target)
+    before = report.steps + report.artifacts + report.versions
+
+    params = [Param(k, v) for k, v in run.data.params.items() if k not in have.data.params]
+    report.conflicts += [f"{target}: param {k}" for k, v in run.data.params.items()
+                         if have.data.params.get(k, v) != v]
+    tags = [RunTag(k, v) for k, v in run.data.tags.items()
+            if k not in LOCAL_TAGS and have.data.tags.get(k) != v and not
+            (merged and k.startswith("mlflow."))]  # a merged run keeps its name and source
+    if merged and have.data.tags.get("reprotrain.replayed_from") is None:
+        tags.append(RunTag("reprotrain.replayed_from", f"{origin}#{run_id}"))
+    for i in range(0, len(params), 100):
+        dst.log_batch(target, params=params[i:i + 100])
+    for i in range(0, len(tags), 100):  # MLflow's limit per batch
+        dst.log_batch(target, tags=tags[i:i + 100])
+
+    for key in run.data.metrics:
+        # Merged: the run's own steps (a step is logged once per key; a resume or a retry
+        # after the server went away may have sent one twice). Copied: an exact copy.
+        ident = (lambda m: m.step) if merged else (lambda m: (m.step, m.timestamp, repr(m.value)))
+        there = {ident(m) for m in dst.get_metric_history(target, key)}
+        new = [Metric(key, m.value, m.timestamp, m.step) for m in src.get_metric_history(run_id, key)
+               if ident(m) not in there]
+        for i in range(0, len(new), BATCH):
+            dst.log_batch(target, metrics=new[i:i + BATCH])
+        report.steps += len(new)
+
+    _sync_datasets(dst, run, have)
+    report.artifacts += _sync_artifacts(src, dst, run_id, target)
+    report.versions += _sync_models(src, dst, run, target, exp_id, origin)
+    # Last: a sync killed before this leaves the target RUNNING, and the next one ends it.
+    if run.info.status != "RUNNING" and (have.info.status == "RUNNING" or made):
+        dst.set_terminated(target, run.info.status, run.info.end_time)
+    if report.steps + report.artifacts + report.versions > before or made or params or tags:
+        report.runs += 1
+    else:
+        report.skipped += 1
+
+
+def _sync_datasets(dst, run, have) -> None:
+    there = {(d.dataset.name, d.dataset.digest) for d in have.inputs.dataset_inputs}
+    new = [d for d in run.inputs.dataset_inputs if (d.dataset.name, d.dataset.digest) not in there]
+    if new:
+        dst.log_inputs(have.info.run_id, datasets=new)
+
+
+def _files(client, run_id: str, path: str | None = None) -> dict[str, int]:
+    out = {}
+    for f in client.list_artifacts(run_id, path):
+        out |= _files(client, run_id, f.path) if f.is_dir else {f.path: f.file_size}
+    return out
+
+
+def _sync_artifacts(src, dst, run_id: str, target: str) -> int:
+    there = _files(dst, target)
+    new = [p for p, size in _files(src, run_id).items() if there.get(p) != size]
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in new:
+            local = src.download_artifacts(run_id, path, tmp)
+            dst.log_artifact(target, local, os.path.dirname(path) or None)
+    return len(new)
+
+
+def _sync_models(src, dst, run, target: str, exp_id: str, origin: str) -> int:
+    """The run's logged models (MLflow 3 keeps their files apart from the run's artifacts),
+    then their registered versions."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.models import Model
+
+    run_id = run.info.run_id
+    mine = {m.tags.get(SOURCE_MODEL): m for m in
+            dst.search_logged_models([exp_id], filter_string=f"source_run_id = '{target}'")}
+    ids = {}
+    for model in src.search_logged_models([run.info.experiment_id],
+                                          filter_string=f"source_run_id = '{run_id}'"):
+        key = f"{origin}#{model.model_id}"
+        copy = mine.get(key)
+        if copy is None:
+            copy = dst.create_logged_model(exp_id, name=model.name, source_run_id=target,
+                                           tags={**model.tags, SOURCE_MODEL: key},
+                                           params=model.params, model_type=model.model_type)
+        if copy.status != LoggedModelStatus.READY:  # made, or a sync killed mid-upload
+            with tempfile.TemporaryDirectory() as tmp:
+                local = mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location,
+                                                            dst_path=tmp)
+                if (Path(local) / "MLmodel").exists():  # it names its run and model: the copy's
+                    meta = Model.load(Path(local) / "MLmodel")
+                    meta.run_id, meta.model_id = target, copy.model_id
+                    meta.save(Path(local) / "MLmodel")
+                dst.log_model_artifacts(copy.model_id, local)
+            dst.finalize_logged_model(copy.model_id, LoggedModelStatus.READY)
+        ids[model.model_id] = copy.model_id
+    return _sync_versions(src, dst, run_id, target, ids, origin)
+
+
+def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], origin: str) -> int:
+    from mlflow.exceptions import MlflowException
+
+    made = 0
+    versions = sorted(src.search_model_versions(f"run_id = '{run_id}'"),
+                      key=lambda v: v.creation_timestamp)
+    if not versions:
+        return 0
+    mine = {v.tags.get(SOURCE_VERSION): v for v in dst.search_model_versions(f"run_id = '{target}'")}
+    for v in versions:
+        key = f"{origin}#{v.name}/{v.version}"
+        copy = mine.get(key)
+        if copy is None:
+            try:
+                dst.create_registered_model(v.name)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            # A version of a logged model names it in its source (`models:/m-...`).
+            model_id = ids.get(v.model_id or v.source.removeprefix("models:/"))
+            source = f"models:/{model_id}" if model_id else v.source
+            copy = dst.create_model_version(v.name, source, run_id=target, model_id=model_id,
+                                            tags={**v.tags, SOURCE_VERSION: key},
+                                            description=v.description)
+            made += 1
+        if copy.tags.get(ALIASES_SET):
+            continue
+        aliases = src.get_model_version(v.name, v.version).aliases
+        for alias in aliases:
+            if alias != "champion" or _beats_champion(dst, v.name, v.tags.get("eval.accuracy")):
+                dst.set_registered_model_alias(v.name, alias, copy.version)
+        dst.set_model_version_tag(v.name, copy.version, ALIASES_SET, "true")
+    return made
+
+
+def _beats_champion(dst, name: str, accuracy: str | None) -> bool:
+    """The project's promotion rule, decided against the server: a version that was champion
+    on a laptop is champion on the server only when it beats the server's champion."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        champion = dst.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return True
+    return float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m stages.sync",
+                        description="Copy runs from a local MLflow store onto the tracking server.")
+    ap.add_argument("--from", dest="source", default="",
+                    help="a local store, e.g. sqlite:///path/mlflow.db (default: the spool)")
+    ap.add_argument("--budget-s", type=positive_int, default=None,
+                    help="stop between runs after this many seconds (default: no limit)")
+    args = ap.parse_args(argv)
+    target = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not target:
+        raise UserError("MLFLOW_TRACKING_URI is not set: set it to the tracking server to sync "
+                        "to, e.g. MLFLOW_TRACKING_URI=http://host:5000 make sync")
+    source = args.source or tracking.spool_uri()
+    if not args.source and not tracking.spool_file().exists():
+        print(f"nothing to sync: no spool at {tracking.spool_file().parent} (no run was logged "
+              "while the server was down)")
+        return
+    if source.startswith("sqlite:///"):
+        db = Path(source.removeprefix("sqlite:///").split("?")[0])
+        if not db.is_file():
+            raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
+                            "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
+    if tracking.plain_uri(source) == tracking.plain_uri(target):
+        raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
+    if tracking.is_server(target) and not tracking.reachable(target):
+        raise UserError(f"the MLflow server {tracking.plain_uri(target)} does not answer: start "
+                        "it (make server) or check MLFLOW_TRACKING_URI, then rerun make sync")
+    started = time.time()
+    report = sync(source, target, args.budget_s)
+    if not args.source and not report.left:
+        tracking.spool_synced(started)
+    for conflict in report.conflicts[:5]:
+        print(f"warning: kept the server's value of {conflict} (MLflow params are immutable)")
+    shown = args.source and tracking.plain_uri(source).split("?")[0] or f"{tracking.SPOOL}/"
+    print(report.line(shown, tracking.plain_uri(target)))
+
+
+if __name__ == "__main__":
+    run_stage(main)

@@ -1,0 +1,353 @@
+"""The tracking server going away loses nothing, and local runs move up to it: a real `mlflow
+server` on a free loopback port, killed and started again on the same port and database; the
+spool replayed with `python -m stages.sync` (what `make sync` runs), also twice and after a
+kill halfway; a workspace's own mlflow.db moved up with its registered model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from stages.data import save_prepared
+from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
+from tests.services import free_port
+
+
+def workspace(path: Path, digits, **params) -> Path:
+    """A folder with params.yaml and the prepared digits: what train, evaluate, export read."""
+    path.mkdir(parents=True, exist_ok=True)
+    copy_params(path)
+    set_params(path / "params.yaml", {"epochs": "4", "model.width": "8", **params})
+    save_prepared(path / "data/prepared", *digits)
+    return path
+
+
+@contextmanager
+def mlflow_server(db: str, artifacts: Path, port: int) -> Iterator[subprocess.Popen]:
+    """A plain `mlflow server` (no logins) on loopback, in its own process group, until it
+    answers /health; stopped with its workers afterwards."""
+    log = open(artifacts.parent / f"server-{port}-{time.time_ns()}.log", "w")
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "server", "--backend-store-uri", db, "--artifacts-destination",
+         str(artifacts), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env_with())
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None, (artifacts.parent / log.name).read_text()[-3000:]
+                assert time.time() < deadline, "mlflow server did not answer within 120 s"
+                time.sleep(0.3)
+        yield proc
+    finally:
+        kill(proc)
+        log.close()
+
+
+def kill(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory) -> Path:
+    """An empty MLflow database, its schema made once (migrations ~6 s)."""
+    import mlflow
+
+    db = tmp_path_factory.mktemp("server") / "empty.db"
+    mlflow.MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def server_db(empty_db, tmp_path) -> str:
+    """The database of this test's server: a copy of the empty one (champions do not leak)."""
+    shutil.copy(empty_db, tmp_path / "server.db")
+    return f"sqlite:///{tmp_path / 'server.db'}"
+
+
+def stage(name: str, w: Path, uri: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", f"stages.{name}"], w, check=check,
+               env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, DVC_ROOT=str(w)))
+
+
+def sync(w: Path, uri: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "stages.sync", *args], w, check=check,
+               env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, DVC_ROOT=str(w)))
+
+
+def history(w: Path) -> dict[str, list[tuple[int, float]]]:
+    from stages.tracking import metric_name
+
+    with open(w / "models/train/history.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {metric_name(k): [(int(r["epoch"]), float(r[k])) for r in rows]
+            for k in rows[0] if k != "epoch"}
+
+
+def assert_history_once(client, run_id: str, w: Path) -> None:
+    """Every metric of history.csv on the server: each epoch's step once, with its value."""
+    for key, want in history(w).items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert [s for s, _ in got] == [s for s, _ in want], (key, got, want)
+        assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(got, want, strict=True)), key
+
+
+@contextmanager
+def killing_proxy(upstream: str, trigger: str) -> Iterator[tuple[str, list[int]]]:
+    """A loopback HTTP proxy to `upstream` that SIGKILLs the pid put in the list it yields at
+    the first request whose path holds `trigger`, which it never forwards."""
+    import http.server
+    import threading
+
+    victim: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def forward(self) -> None:
+            if trigger in self.path and victim:
+                os.kill(victim[0], signal.SIGKILL)
+                self.send_error(502)
+                return
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+            req = urllib.request.Request(upstream + self.path, data=body, method=self.command,
+                                         headers={k: v for k, v in self.headers.items()
+                                                  if k.lower() not in ("host", "connection")})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status, headers, data = r.status, r.headers, r.read()
+            except urllib.error.HTTPError as e:
+                status, headers, data = e.code, e.headers, e.read()
+            self.send_response(status)
+            for k, v in headers.items():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}", victim
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def wait_for_epoch(proc: subprocess.Popen, w: Path, epoch: int) -> None:
+    deadline = time.time() + 300
+    while not list(w.glob(f".checkpoints/*/epoch-{epoch:04d}.sha256")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_server_killed_mid_training_loses_nothing_once_it_is_back(tmp_path, digits, server_db):
+    """The server SIGKILLed after the first epoch and started again: train exits 0 with the
+    outputs of an undisturbed run and says so in one line; the next stage replays the spool,
+    and the server's run holds every step of history.csv once, the params, tags and artifacts."""
+    import mlflow
+    import torch
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    (tmp_path / "art").mkdir()
+    w = workspace(tmp_path / "w", digits)
+    ref = workspace(tmp_path / "ref", digits)
+    with mlflow_server(server_db, tmp_path / "art", port) as server:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, text=True,
+                                env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri,
+                                             DVC_ROOT=str(w)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for_epoch(proc, w, 1)
+        t = time.perf_counter()
+        kill(server)
+        out, err = proc.communicate(timeout=600)
+        after_kill_s = time.perf_counter() - t
+    assert proc.returncode == 0, err
+    assert err.count("is unreachable") == 1 and "make sync" in err, err
+    assert "Traceback" not in err and "Failed to log run data" not in err, err
+    # The same DVC outputs as a run that never saw the server go (here: no server at all).
+    stage("train", ref, f"sqlite:///{tmp_path / 'ref.db'}")
+    for name in ("metrics.json", "history.csv"):
+        assert (w / "models/train" / name).read_bytes() == (ref / "models/train" / name).read_bytes()
+    wa = torch.load(w / "models/train/model.pt", weights_only=True)["model"]
+    wb = torch.load(ref / "models/train/model.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    link = json.loads((w / "models/train/run.json").read_text())
+    assert link["tracking_uri"] == uri  # the run began on the server: it stays that run
+
+    with mlflow_server(server_db, tmp_path / "art", port):
+        # The next stage finds the server back: it replays the spool before its own run.
+        p = stage("evaluate", w, uri)
+        assert "synced 1 run(s)" in p.stderr and "unreachable" not in p.stderr, p.stderr
+        client = mlflow.MlflowClient(uri)
+        r = client.get_run(link["run_id"])
+        assert r.info.status == "FINISHED" and "eval/accuracy" in r.data.metrics
+        assert_history_once(client, link["run_id"], w)
+        assert r.data.params["epochs"] == "4" and r.data.tags["model_md5"] == link["model_md5"]
+        assert {"val/best_acc", "perf/train_s"} <= r.data.metrics.keys()
+        arts = {f.path for f in client.list_artifacts(link["run_id"], "train")}
+        assert arts == {"train/metrics.json", "train/history.csv"}
+        assert client.list_artifacts(link["run_id"], "eval")
+        steps = client.get_metric_history(link["run_id"], "train/loss_step")
+        assert sorted(m.step for m in steps) == sorted({m.step for m in steps})  # none twice
+        assert "0 run(s) from" in sync(w, uri).stdout  # `make sync`: nothing left to send
+        assert client.get_metric_history(link["run_id"], "train/loss_step") == steps
+    print(f"stage went on {after_kill_s:.1f}s after the kill")
+
+
+@pytest.mark.slow
+def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, digits, server_db):
+    """No server at all for train, evaluate and export: each is bounded in time, says so in
+    one line and spools; `sync` killed halfway, run again and a third time lands the run, its
+    artifacts, its logged model and the registered version with its aliases, each once."""
+    import mlflow
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    (tmp_path / "art").mkdir()
+    w = workspace(tmp_path / "w", digits, epochs="3", **{"train.log_every": "2",
+                                                           "export.register_as": "digits-cnn"})
+    for name in ("train", "evaluate", "export"):
+        t = time.perf_counter()
+        p = stage(name, w, uri)
+        print(name, f"{time.perf_counter() - t:.1f}s")
+        assert p.stderr.count("is unreachable") == 1, p.stderr
+        assert "spooled to .mlflow-spool/" in p.stderr and "Traceback" not in p.stderr
+    link = json.loads((w / "models/train/run.json").read_text())
+    assert link["tracking_uri"].startswith("sqlite:///") and ".mlflow-spool" in link["tracking_uri"]
+    spool = mlflow.MlflowClient(link["tracking_uri"])
+    assert spool.get_model_version_by_alias("digits-cnn", "champion").run_id == link["run_id"]
+
+    with mlflow_server(server_db, tmp_path / "art", port):
+        # Killed halfway, for certain: the first artifact upload it sends (after the run, its
+        # params and metrics) goes through a proxy that SIGKILLs it instead of forwarding.
+        with killing_proxy(uri, "/mlflow-artifacts/artifacts/") as (via, victim):
+            proc = subprocess.Popen([sys.executable, "-m", "stages.sync"], cwd=w,
+                                    env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=via,
+                                                 DVC_ROOT=str(w)),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            victim.append(proc.pid)
+            proc.communicate(timeout=300)
+        assert proc.returncode == -signal.SIGKILL
+        server = mlflow.MlflowClient(server_db)  # its database, read directly
+        [half] = server.search_runs(["1"])
+        assert half.info.status == "RUNNING" and half.data.metrics and not server.search_model_versions()
+
+        for _ in range(2):
+            p = sync(w, uri)
+        assert "synced 0 run(s)" in p.stdout and "1 run(s) already there" in p.stdout, p.stdout
+        client = mlflow.MlflowClient(uri)
+        [r] = client.search_runs(["1"])
+        assert r.info.status == "FINISHED"
+        assert r.data.tags["reprotrain.source_run"].endswith(f".mlflow-spool/mlflow.db#{link['run_id']}")
+        assert_history_once(client, r.info.run_id, w)
+        for key, value in json.loads((w / "models/eval/metrics.json").read_text()).items():
+            if key != "n":
+                [m] = client.get_metric_history(r.info.run_id, f"eval/{key}")
+                assert abs(m.value - value) < 1e-6
+        assert r.data.params == spool.get_run(link["run_id"]).data.params
+        assert [d.dataset.digest for d in r.inputs.dataset_inputs] == \
+            [d.dataset.digest for d in spool.get_run(link["run_id"]).inputs.dataset_inputs]
+        assert {f.path for f in client.list_artifacts(r.info.run_id)} == {"train", "eval", "export"}
+        [version] = client.search_model_versions("name = 'digits-cnn'")
+        assert set(client.get_model_version("digits-cnn", version.version).aliases) == \
+            {"candidate", "champion"}
+        [model] = client.search_logged_models(["1"])
+        assert model.source_run_id == r.info.run_id and version.source == f"models:/{model.model_id}"
+        local = mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location,
+                                                    tracking_uri=uri, dst_path=str(tmp_path / "m"))
+        assert mlflow.models.Model.load(Path(local) / "MLmodel").model_id == model.model_id
+
+
+@pytest.mark.slow
+def test_sync_from_moves_a_workspaces_own_runs_up_once(tmp_path, digits, server_db):
+    """A week offline in miniature: two trainings and a registered, aliased model in the
+    workspace's embedded mlflow.db; `sync --from` (make sync FROM=...) moves them all onto the
+    server, saying where each came from, and a second sync moves nothing."""
+    import mlflow
+
+    w = workspace(tmp_path / "w", digits, epochs="3", **{"export.register_as": "digits-cnn"})
+    local = f"sqlite:///{w / 'mlflow.db'}"
+    for name in ("train", "evaluate", "export"):
+        stage(name, w, local)
+    set_params(w / "params.yaml", {"seed": "1"})
+    stage("train", w, local)
+    mine = mlflow.MlflowClient(local)
+    runs = {r.info.run_id: r for r in mine.search_runs(["1"])}
+    assert len(runs) == 2
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    (tmp_path / "art").mkdir()
+    with mlflow_server(server_db, tmp_path / "art", port):
+        p = sync(w, uri, "--from", local)
+        assert "synced 2 run(s)" in p.stdout and "1 model versions" in p.stdout, p.stdout
+        p = sync(w, uri, "--from", local)
+        assert "synced 0 run(s)" in p.stdout and "2 run(s) already there" in p.stdout, p.stdout
+        client = mlflow.MlflowClient(uri)
+        moved = {r.data.tags["reprotrain.source_run"].rpartition("#")[2]: r
+                 for r in client.search_runs(["1"])}
+        assert moved.keys() == runs.keys()
+        for run_id, r in moved.items():
+            assert r.data.tags["reprotrain.source_run"].endswith(f"{w / 'mlflow.db'}#{run_id}")
+            assert r.data.params == runs[run_id].data.params
+            assert r.info.start_time == runs[run_id].info.start_time
+            assert r.info.status == "FINISHED" and r.info.end_time == runs[run_id].info.end_time
+            for key in runs[run_id].data.metrics:
+                want = [(m.step, m.timestamp, m.value) for m in mine.get_metric_history(run_id, key)]
+                got = [(m.step, m.timestamp, m.value) for m in client.get_metric_history(r.info.run_id, key)]
+                assert sorted(got) == sorted(want), key
+        last = max(runs.values(), key=lambda r: r.info.start_time).info.run_id
+        assert_history_once(client, moved[last].info.run_id, w)
+        [version] = client.search_model_versions("name = 'digits-cnn'")
+        assert set(client.get_model_version("digits-cnn", version.version).aliases) == \
+            {"candidate", "champion"}
+        assert version.run_id == moved[mine.get_model_version("digits-cnn", "1").run_id].info.run_id
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    ([], {}, "error: MLFLOW_TRACKING_URI is not set"),
+    (["--from", "sqlite:///nope/mlflow.db"], {"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
+     "error: FROM=sqlite:///nope/mlflow.db: no such file"),
+])
+def test_sync_refuses_in_one_line(tmp_path, args, env, expected):
+    p = run([sys.executable, "-m", "stages.sync", *args], tmp_path, check=False,
+            env=env_with(PYTHONPATH=str(ROOT), **env))
+    assert p.returncode == 1 and p.stderr.strip().startswith(expected) and \
+        len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_sync_to_a_server_that_does_not_answer_is_one_line(tmp_path):
+    (tmp_path / "local.db").touch()
+    p = run([sys.executable, "-m", "stages.sync", "--from", f"sqlite:///{tmp_path / 'local.db'}"],
+            tmp_path, check=False, env=env_with(PYTHONPATH=str(ROOT),
+                                                MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"))
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        p.stderr.strip()] and "does not answer" in p.stderr, p.stderr
