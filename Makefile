@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share sync sweep test ui serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share sync sweep test ui server serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -91,6 +91,14 @@ ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to c
 serve: PORT ?= 5001
 serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT=... to change): /ping, /invocations
 	@$(PY) -m stages.serve --port $(PORT)
+# The team's server (README: A team's tracking server). The admin's login and the Flask secret
+# key come from the environment (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_FLASK_SERVER_SECRET_KEY),
+# never from the command line, where `ps` would show them.
+HOST ?= 127.0.0.1
+ALLOWED_HOSTS ?=
+server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIFACTS=dir|s3://... PORT=5000
+	@$(PY) -m stages.server --db '$(DB)' --artifacts '$(ARTIFACTS)' --port '$(PORT)' --host '$(HOST)' \
+		--allowed-hosts '$(ALLOWED_HOSTS)'
 
 # Headline metrics, lr, epochs and batch_size always; other params only where the rows differ;
 # no dependency hashes or timestamps. As CSV aligned by `column`: 4 decimals and 2 spaces between

@@ -34,8 +34,8 @@ from stages.cli import ArgumentParser, positive_int, run_stage
 from stages.config import EXPORT_DIR, TRAIN_DIR
 from stages.images import decode_image
 from stages.predict import model_input, onnx_runner, probabilities, read_spec
-from stages.serve import answers, serve_command, server_env
-from stages.ui import stop
+from stages.serve import serve_command, server_env
+from stages.ui import answers, stop
 
 SAMPLES = sorted(Path("data/samples").glob("*.png"))
 
@@ -80,7 +80,7 @@ def served(command: list[str], port: int, first: Callable[[], object], timeout_s
     with open(log, "w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=server_env(),
                                   start_new_session=True)
-    while not answers(f"http://127.0.0.1:{port}"):
+    while not answers(f"http://127.0.0.1:{port}/ping"):
         if server.poll() is not None or time.perf_counter() - t > timeout_s:
             stop(server)
             raise RuntimeError(f"{' '.join(command)} did not answer; see {log}")

@@ -17,6 +17,7 @@ import os
 import re
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -211,6 +212,12 @@ class MlflowConfig:
     def __post_init__(self) -> None:
         _require(bool(self.experiment.strip()), "mlflow.experiment", self.experiment,
                  "must be a non-empty name")
+        uri = urllib.parse.urlsplit(self.tracking_uri)
+        # Params are logged to MLflow and committed with git: a password there is everyone's.
+        _require(uri.password is None, "mlflow.tracking_uri",
+                 uri._replace(netloc=uri.netloc.rpartition("@")[2]).geturl(),
+                 "remove user:password@ from it and set MLFLOW_TRACKING_USERNAME and "
+                 "MLFLOW_TRACKING_PASSWORD in the environment instead")
 
 
 @dataclass

@@ -15,13 +15,10 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
@@ -35,14 +32,6 @@ def curl_line(base: str) -> str:
     sample = SAMPLE.relative_to(Path.cwd()) if SAMPLE.is_relative_to(Path.cwd()) else SAMPLE
     return (f"curl -s {base}/invocations -H 'Content-Type: application/json' -d "
             f"\"{{\\\"inputs\\\": [\\\"$(base64 -w0 {shlex.quote(str(sample))})\\\"]}}\"")
-
-
-def answers(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/ping", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def server_env() -> dict[str, str]:
@@ -87,7 +76,7 @@ def port_free(port: int) -> bool:
 
 def serve(name: str, work: Path, args) -> None:
     from stages.predict import onnx_runner, read_spec
-    from stages.ui import stop
+    from stages.ui import started
 
     number, files = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.
@@ -109,30 +98,12 @@ def serve(name: str, work: Path, args) -> None:
         raise UserError(f"port {args.port} on 127.0.0.1 is taken; `make serve PORT={args.port + 1}`")
     base = f"http://127.0.0.1:{args.port}"
     log = Path(tempfile.gettempdir()) / f"reprotrain-serve-{args.port}.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen(serve_command(folder, args.port), stdout=out,
-                                  stderr=subprocess.STDOUT, env=server_env(),
-                                  start_new_session=True)
-    # `kill` or a closed terminal: still end the server's group, which has its own session.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
-    try:
-        print(f"serving {what} on {base} (its log: {log})", flush=True)
-        deadline = time.monotonic() + args.timeout
-        while not answers(base):
-            if server.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise UserError(f"the model server did not start on port {args.port} "
-                                f"({' / '.join(tail) or 'no output'}); its log: {log}")
-            time.sleep(0.2)
+    print(f"serving {what} on {base} (its log: {log})", flush=True)
+    with started("model server", serve_command(folder, args.port), server_env(), log,
+                 f"{base}/ping", args.timeout, f"its log: {log}") as server:
         print("ready (Ctrl-C stops it). Classify an image:")
         print(curl_line(base), flush=True)
         server.wait()
-    except KeyboardInterrupt:
-        print("stopping the model server", file=sys.stderr)
-    finally:
-        stop(server)
-
 
 if __name__ == "__main__":
     run_stage(main)

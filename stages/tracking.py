@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from stages.cli import timed
 from stages.config import MlflowConfig, flatten, repo_root
@@ -94,8 +95,29 @@ def reason(e: Exception) -> str:
 def tracking_uri(cfg: MlflowConfig) -> str:
     # timeout: how long sqlite waits on a lock held by another process (queued experiments,
     # parallel stages) before "database is locked"; its default is 5 s.
-    return (os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
-            or f"sqlite:///{repo_root() / 'mlflow.db'}?timeout=60")
+    uri = (os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+           or f"sqlite:///{repo_root() / 'mlflow.db'}?timeout=60")
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https") and parts.password is not None:
+        # http://user:password@host would land in run.json and the runs' tags: MLflow takes the
+        # same login from these two variables.
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username or ""))
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password))
+        uri = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return uri
+
+
+def refusal(e: Exception) -> str | None:
+    """A server's refused login or permission in one line, with the fix; None for other errors."""
+    code, user = getattr(e, "error_code", None), os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if code == "UNAUTHENTICATED":
+        said = f"refused the login of {user!r}" if user else "needs a login"
+        return (f"the server {said}: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "to your user on it")
+    if code == "PERMISSION_DENIED":
+        return (f"user {user!r} may not write here: ask the server's admin for EDIT on the "
+                "experiment and the registered model (README: A team's tracking server)")
+    return None
 
 
 @contextmanager
@@ -521,9 +543,11 @@ def _experiment_id(name: str, uri: str) -> str:
         location = (repo_root() / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
         try:
             mlflow.create_experiment(name, artifact_location=location, tags=EXPERIMENT_TAGS)
-        except Exception:  # noqa: BLE001 - another process created it first
-            pass
-        exp = mlflow.get_experiment_by_name(name)
+        except Exception:  # noqa: BLE001 - another process created it first (mlflow #4123)
+            exp = mlflow.get_experiment_by_name(name)
+            if exp is None:  # no: the store refused it (a permission, a full disk)
+                raise
+        exp = exp or mlflow.get_experiment_by_name(name)
     for key, value in EXPERIMENT_TAGS.items():  # a store made before this version's tags
         if exp.tags.get(key) != value:
             mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, key, value)
@@ -563,8 +587,8 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         if not tracker._spool(e):
             warnings.warn(f"MLflow tracking at {plain_uri(tracker.uri)} is unavailable "
-                          f"({reason(e)}); continuing without tracking, DVC outputs are "
-                          "unaffected", stacklevel=3)
+                          f"({refusal(e) or reason(e)}); continuing without tracking, DVC "
+                          "outputs are unaffected", stacklevel=3)
     if tracker.spooled:  # a reopened spooled run keeps its end; a new one has none
         ended = tracker._call(lambda: mlflow.active_run().info.end_time)
     if not keep_duration:

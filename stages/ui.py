@@ -5,7 +5,8 @@
 `mlflow ui` alone prints its address about 18 s before it listens, that address opens the
 GenAI home page, and on Ctrl-C its workers linger for seconds. Here the server runs in its own
 process group with its log in a file; the last line printed is the runs table's address, once
-the server answers; Ctrl-C ends the whole group.
+the server answers; Ctrl-C ends the whole group. With a tracking server (MLFLOW_TRACKING_URI=http...)
+it starts nothing: it prints that server's runs table. `started` also runs `make server`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from stages import tracking
@@ -45,6 +48,33 @@ def stop(server: subprocess.Popen) -> None:
             continue
 
 
+@contextmanager
+def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: str,
+            timeout: int, hint: str) -> Iterator[subprocess.Popen]:
+    """`cmd` in its own process group with its output in `log`; yields once `health` answers.
+    Ctrl-C, SIGTERM, a closed terminal or an error end the whole group; `hint` says what to do
+    when it never answers."""
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    # `kill` or a closed terminal: still end the server's group, which has its own session.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
+    try:
+        deadline = time.monotonic() + timeout
+        while not answers(health):
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise UserError(f"the {name} did not start ({' / '.join(tail) or 'no output'}); "
+                                f"{hint}")
+            time.sleep(0.5)
+        yield server
+    except KeyboardInterrupt:
+        print(f"stopping the {name}", file=sys.stderr)
+    finally:
+        stop(server)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m stages.ui", description="The MLflow UI of this repo's runs.")
     ap.add_argument("--port", type=positive_int, default=5000, help="port on 127.0.0.1")
@@ -54,39 +84,26 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_params().mlflow
     uri = tracking.tracking_uri(cfg)
     if uri.startswith(("http://", "https://")):
-        print(f"runs are on the tracking server: open {tracking.experiment_url(cfg, uri)}")
+        try:
+            where = tracking.experiment_url(cfg, uri)
+        except Exception as e:  # noqa: BLE001 - a refused login or a server that is down
+            where = f"{uri} ({tracking.refusal(e) or tracking.reason(e)})"
+        print(f"runs are on the tracking server: open {where}")
         return
     base, hosts = f"http://127.0.0.1:{args.port}", f"127.0.0.1:{args.port},localhost:{args.port}"
     log = Path(tempfile.gettempdir()) / f"reprotrain-ui-{args.port}.log"
     env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")  # Starlette's, not ours
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host",
-             "127.0.0.1", "--port", str(args.port), "--allowed-hosts", hosts, "--workers", "1"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    # `kill` or a closed terminal: still end the server's group, which has its own session.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
-    try:
-        deadline = time.monotonic() + args.timeout
-        print(f"starting the MLflow UI on {base} (its log: {log})", flush=True)
-        while not answers(f"{base}/health"):
-            if server.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise UserError(f"the MLflow UI did not start on port {args.port} "
-                                f"({' / '.join(tail) or 'no output'}); if the port is taken, "
-                                f"`make ui UI_PORT={args.port + 1}`")
-            time.sleep(0.5)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host",
+           "127.0.0.1", "--port", str(args.port), "--allowed-hosts", hosts, "--workers", "1"]
+    print(f"starting the MLflow UI on {base} (its log: {log})", flush=True)
+    with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
+                 f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`") as server:
         # The UI's own home page and run links without workflowType open in GenAI mode; this
         # address is the classic runs table, which MLflow keeps while you click within it.
         print("MLflow UI ready (Ctrl-C stops it). Its home page opens in GenAI mode; the "
               "training runs are at:")
         print(tracking.experiment_url(cfg, base), flush=True)
         server.wait()
-    except KeyboardInterrupt:
-        print("stopping the MLflow UI", file=sys.stderr)
-    finally:
-        stop(server)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,19 @@ def copy_repo(dest: Path, params_edit: dict[str, str] | None = None) -> Path:
     return dest
 
 
+def wait_for_queue(repo: Path, env: dict, timeout: float = 900) -> str:
+    """`dvc queue status` once nothing is queued or running (what `dvc queue start` began)."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        status = run(["dvc", "queue", "status"], repo, env=env).stdout
+        if "Queued" not in status and "Running" not in status:
+            return status
+        assert time.time() < deadline, status
+        time.sleep(5)
+
+
 def rendered_dom(page: Path, tmp_path: Path) -> str:
     """The DOM of a local page after headless Chromium ran its scripts; skips without chromium."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")

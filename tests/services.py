@@ -1,15 +1,21 @@
 """Real services for the team set-up tests: a throwaway PostgreSQL cluster in a temp folder, on a
-free loopback port. `.ci/run` installs Debian's postgresql where it is missing."""
+free loopback port, and the team's MLflow server on it. `.ci/run` installs Debian's postgresql
+where it is missing."""
 
 from __future__ import annotations
 
 import glob
 import os
+import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -79,3 +85,143 @@ def postgres(tmp_path_factory) -> Iterator[str]:
     """One cluster for the test session (each test creates its own database)."""
     with postgres_cluster(tmp_path_factory.mktemp("postgres")) as uri:
         yield uri
+
+
+@dataclass
+class MlflowServer:
+    uri: str
+    user: str
+    password: str
+    log: Path  # what `python -m stages.server` printed; the server's own log is in its tempdir
+
+    def client_env(self, **extra: str) -> dict[str, str]:
+        """A client's environment (tests.conftest.env_with) pointed at this server, logged in."""
+        from tests.conftest import env_with
+
+        return env_with(MLFLOW_TRACKING_URI=self.uri, MLFLOW_TRACKING_USERNAME=self.user,
+                        MLFLOW_TRACKING_PASSWORD=self.password, **extra)
+
+
+def server_env(user: str, password: str) -> dict[str, str]:
+    """What `make server` needs in its environment: the first admin and the Flask secret key."""
+    from tests.conftest import env_with
+
+    return env_with(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password,
+                    MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(32))
+
+
+@contextmanager
+def mlflow_server(db: str, folder: Path, timeout: float = 240) -> Iterator[MlflowServer]:
+    """The team server, started as a user does (`python -m stages.server`, logins on) on a free
+    loopback port against `db`, artifacts in `folder`; stopped with SIGTERM, as systemd does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    user, password, port = "admin", f"pw-{secrets.token_hex(12)}", free_port()
+    log = folder / "server.out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.server", "--db", db, "--artifacts", folder / "artifacts",
+             "--port", str(port), "--workers", "1"], cwd=Path(__file__).resolve().parents[1],
+            env=server_env(user, password), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while "MLflow server ready" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the MLflow server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield MlflowServer(f"http://127.0.0.1:{port}", user, password, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def create_and_log(uri: str, user: str, password: str, name: str, barrier) -> tuple:
+    """In a fresh process (tests/test_server.py's race): once `barrier` lets every process go,
+    open a run in experiment `name`, creating it; the run's id and MLflow's warnings."""
+    import warnings
+
+    os.environ.update(MLFLOW_TRACKING_URI=uri, MLFLOW_TRACKING_USERNAME=user,
+                      MLFLOW_TRACKING_PASSWORD=password)
+    import mlflow  # noqa: F401 - imported before the barrier: both reach the server together
+
+    from stages import tracking
+    from stages.config import MlflowConfig
+
+    barrier.wait()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracking.start_run(MlflowConfig(experiment=name)) as run:
+            run.log_params({"lr": 0.1})
+    return run.run_id, [str(w.message) for w in caught if "MLflow" in str(w.message)]
+
+
+def logged_in_page(url: str, user: str, password: str, png: Path, text: str,
+                   timeout: float = 90) -> str:
+    """The DOM of `url` in headless Chromium logged in with basic auth, once `text` shows (or
+    `timeout` passed), and its screenshot in `png`. Basic auth goes in an Authorization header
+    (Chrome DevTools Protocol, over aiohttp's websocket): credentials in the URL are refused by the
+    MLflow UI's own fetch calls ("Request cannot be constructed from a URL that includes
+    credentials")."""
+    import asyncio
+    import base64
+    import json
+    import tempfile
+
+    import aiohttp
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not chromium:
+        pytest.skip("no chromium: `apt-get install chromium` to render the page")
+    auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    async def drive(port: int) -> str:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
+                page = next(t for t in await r.json() if t["type"] == "page")
+            async with http.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                ids = iter(range(1, 10**6))
+
+                async def call(method: str, **params):
+                    sent = next(ids)
+                    await ws.send_json({"id": sent, "method": method, "params": params})
+                    while True:
+                        msg = json.loads((await ws.receive()).data)
+                        if msg.get("id") == sent:
+                            return msg.get("result", {})
+
+                await call("Network.enable")
+                await call("Network.setExtraHTTPHeaders", headers={"Authorization": auth})
+                await call("Emulation.setDeviceMetricsOverride", width=1600, height=1000,
+                           deviceScaleFactor=1, mobile=False)
+                await call("Page.navigate", url=url)
+                deadline = time.monotonic() + timeout
+                dom = ""
+                while text not in dom and time.monotonic() < deadline:
+                    await asyncio.sleep(1)
+                    dom = (await call("Runtime.evaluate", expression="document.documentElement"
+                                      ".outerHTML", returnByValue=True))["result"].get("value", "")
+                await asyncio.sleep(1)  # the table's last paint
+                shot = await call("Page.captureScreenshot", format="png")
+                png.write_bytes(base64.b64decode(shot["data"]))
+                return dom
+
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.Popen(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu",
+             "--disable-background-networking", "--disable-component-update", "--no-first-run",
+             f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            active = Path(profile) / "DevToolsActivePort"
+            deadline = time.monotonic() + 60
+            while not active.exists() or not active.read_text().strip():
+                assert time.monotonic() < deadline and proc.poll() is None, "chromium did not start"
+                time.sleep(0.2)
+            return asyncio.run(drive(int(active.read_text().split()[0])))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)

@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 
 import pytest
 
 from stages.cli import HEAVY_IMPORTS
-from tests.conftest import VENV_BIN, committed, copy_repo, env_with, rendered_dom, run, set_params
+from tests.conftest import (
+    VENV_BIN,
+    committed,
+    copy_repo,
+    env_with,
+    rendered_dom,
+    run,
+    set_params,
+    wait_for_queue,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -229,13 +237,7 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
     run(["dvc", "exp", "run", "--queue", "-S", "lr=0.02"], repo, env=env)
     run(["dvc", "exp", "run", "--queue", "-S", "eval.batch_size=128"], repo, env=env)
     run(["dvc", "queue", "start", "-j", "2"], repo, env=env)
-    deadline = time.time() + 900
-    while True:
-        status = run(["dvc", "queue", "status"], repo, env=env).stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        assert time.time() < deadline, status
-        time.sleep(5)
+    status = wait_for_queue(repo, env)
     assert status.count("Success") >= 2 and "Failed" not in status, status
     _, after = mlflow_runs(repo)
     new = after[len(before):]

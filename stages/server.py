@@ -1,0 +1,184 @@
+"""`make server`: the team's MLflow tracking server, with logins, on a database, proxying artifacts.
+
+    MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=... MLFLOW_FLASK_SERVER_SECRET_KEY=... \
+    python -m stages.server --db postgresql://mlflow@db-host/mlflow --artifacts /srv/mlartifacts \
+        --port 5000 [--host 127.0.0.1] [--allowed-hosts mlflow.example.com]
+
+Every input is checked first, each in one line. `mlflow db upgrade` brings the database to this
+MLflow's schema (a schema it does not know, from a newer MLflow, is refused), then `mlflow server`
+runs with MLflow's basic-auth app: every request needs a login. Its users and permissions live in
+the same database, beside the runs (their own tables, their own migration history). The first
+start creates the admin from MLFLOW_TRACKING_USERNAME/PASSWORD: the same two variables a client
+sets, and there is no default password. Clients need no storage credentials: the server writes
+the artifacts (`--artifacts-destination`). The server's log goes to a file; the address clients
+use is printed once /health answers; Ctrl-C or SIGTERM stops the server and its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from stages.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.ui import started
+
+# Logged-in users may browse every experiment and log only where they created the experiment or
+# were granted EDIT: a team shares its results, and a colleague's typo does not overwrite them.
+# Without a login nothing is readable (basic-auth asks every request for one).
+DEFAULT_PERMISSION = "READ"
+DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
+MIN_PASSWORD = 12  # MLflow's own rule for basic-auth passwords
+MIN_SECRET = 32  # the Flask session/CSRF key: 32 characters, as `secrets.token_hex(16)` gives
+
+
+def masked(text: str) -> str:
+    """`text` with the password of every `scheme://user:password@host` in it replaced by ***."""
+    return re.sub(r"(\w+(?:\+\w+)?://[^/:@\s]*:)[^@\s]*@", r"\1***@", text)
+
+
+def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tuple[str, str]:
+    """The artifacts destination (a local folder made absolute) and the admin's name; every
+    problem ends here in one line, before anything starts."""
+    if not db:
+        raise UserError("no database: `make server DB=postgresql://USER@HOST/DB ...` (README: "
+                        "A team's tracking server); the password goes in PGPASSWORD or ~/.pgpass")
+    scheme = urlsplit(db).scheme.split("+")[0]
+    if scheme not in DATABASES:
+        raise UserError(f"DB={masked(db)} is not a database URI; use postgresql://USER@HOST/DB "
+                        f"(or another of {', '.join(DATABASES)})")
+    if not artifacts:
+        raise UserError("no artifacts destination: `make server ARTIFACTS=/srv/mlartifacts` (a "
+                        "folder on the server) or ARTIFACTS=s3://bucket/path")
+    env = os.environ
+    user, password = env.get("MLFLOW_TRACKING_USERNAME", ""), env.get("MLFLOW_TRACKING_PASSWORD", "")
+    if not user or not password:
+        raise UserError("MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD must be set: the "
+                        "first start creates that admin (there is no default password)")
+    if len(password) < MIN_PASSWORD:
+        raise UserError(f"MLFLOW_TRACKING_PASSWORD is too short: MLflow wants at least "
+                        f"{MIN_PASSWORD} characters")
+    if len(env.get("MLFLOW_FLASK_SERVER_SECRET_KEY", "")) < MIN_SECRET:
+        raise UserError(f"MLFLOW_FLASK_SERVER_SECRET_KEY must be set to at least {MIN_SECRET} random "
+                        "characters, the same on every server process: export "
+                        "MLFLOW_FLASK_SERVER_SECRET_KEY=$(python3 -c 'import secrets; "
+                        "print(secrets.token_hex(32))')")
+    if host not in ("127.0.0.1", "localhost", "::1") and not allowed_hosts:
+        raise UserError(f"HOST={host} needs ALLOWED_HOSTS: the names clients reach the server by "
+                        "(e.g. ALLOWED_HOSTS=mlflow.example.com); other Host headers are refused")
+    if urlsplit(artifacts).scheme in ("", "file"):
+        folder = Path(artifacts.removeprefix("file://")).expanduser().resolve()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"ARTIFACTS={artifacts}: cannot create the folder ({e.strerror})") from e
+        artifacts = str(folder)
+    return artifacts, user
+
+
+def check_port(host: str, port: int) -> None:
+    """Another server on the port would answer /health in this one's place."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is another server "
+                        f"there? choose another PORT") from e
+
+
+def upgrade(db: str) -> None:
+    """`mlflow db upgrade`: a new database gets the tables, an older one this MLflow's schema."""
+    p = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", db], capture_output=True,
+                       text=True)
+    if p.returncode == 0:
+        return
+    out = masked(p.stderr + p.stdout)
+    unknown = re.search(r"Can't locate revision identified by '(\w+)'", out)
+    if unknown:
+        import mlflow
+
+        raise UserError(f"DB={masked(db)} has schema revision {unknown[1]}, which MLflow "
+                        f"{mlflow.__version__} does not know: a newer MLflow migrated it. Run the "
+                        "server with that MLflow, or point DB at another database")
+    last = [line.strip() for line in out.splitlines() if line.strip()
+            and not line.startswith((" ", "\t", "(Background", "Traceback"))]
+    raise UserError(f"`mlflow db upgrade` failed on DB={masked(db)}: "
+                    f"{last[-1] if last else 'no output'}")
+
+
+def auth_config(db: str, admin: str) -> Path:
+    """basic-auth's ini: its tables in the same database (own alembic_version_auth table), one
+    database to back up. 0600 and deleted on exit: the URI may carry the database's password.
+    The admin's password is not in it: the server gets it as MLFLOW_AUTH_ADMIN_PASSWORD."""
+    fd, name = tempfile.mkstemp(prefix="reprotrain-basic-auth-", suffix=".ini")  # 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(f"[mlflow]\ndefault_permission = {DEFAULT_PERMISSION}\n"
+                f"database_uri = {db.replace('%', '%%')}\nadmin_username = {admin}\n"
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    return Path(name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = ArgumentParser(prog="python -m stages.server", description="The team's MLflow server.")
+    ap.add_argument("--db", default="", help="database URI, e.g. postgresql://mlflow@db-host/mlflow")
+    ap.add_argument("--artifacts", default="", help="a folder, or an object store URI (s3://...)")
+    ap.add_argument("--port", default="", help="port to listen on")
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback)")
+    ap.add_argument("--allowed-hosts", default="",
+                    help="comma-separated Host headers clients use, beside 127.0.0.1 and localhost")
+    ap.add_argument("--workers", type=positive_int, default=4)
+    ap.add_argument("--timeout", type=positive_int, default=180,
+                    help="seconds to wait for the server to answer")
+    args = ap.parse_args(argv)
+    artifacts, admin = check_inputs(args.db, args.artifacts, args.host, args.allowed_hosts)
+    if not args.port.isdigit() or not 0 < int(args.port) < 65536:
+        raise UserError(f"PORT={args.port!r} is not a port: `make server PORT=5000 ...`")
+    args.port = int(args.port)
+    check_port(args.host, args.port)
+    print(f"mlflow db upgrade {masked(args.db)}", flush=True)
+    upgrade(args.db)
+
+    # Host headers: loopback for clients on this machine (and the health check), then the names
+    # given; anything else (DNS rebinding) is refused.
+    hosts = ",".join([f"127.0.0.1:{args.port}", f"localhost:{args.port}",
+                      *filter(None, args.allowed_hosts.split(","))])
+    shown = args.host if args.host not in ("0.0.0.0", "::") else args.allowed_hosts.split(",")[0]
+    url = f"http://{shown}:{args.port}"
+    ini = auth_config(args.db, admin)
+    log = Path(tempfile.gettempdir()) / f"reprotrain-server-{args.port}.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI",)}
+    env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_USERNAME=admin,
+               MLFLOW_AUTH_ADMIN_PASSWORD=os.environ["MLFLOW_TRACKING_PASSWORD"],
+               PYTHONWARNINGS="ignore::DeprecationWarning")
+    # MLflow's job runner (GenAI scorers, trace archival) is seven more processes that training
+    # runs never use; MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true in the environment keeps it.
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
+           "--backend-store-uri", args.db, "--artifacts-destination", artifacts, "--serve-artifacts",
+           "--host", args.host, "--port", str(args.port), "--allowed-hosts", hosts,
+           "--workers", str(args.workers)]
+    print(f"starting the MLflow server on {args.host}:{args.port} (its log: {log})", flush=True)
+    try:
+        with started("MLflow server", cmd, env, log, f"http://127.0.0.1:{args.port}/health",
+                     args.timeout, f"is port {args.port} taken? its log: {log}") as server:
+            print(f"MLflow server ready on {url} (Ctrl-C stops it); runs in {masked(args.db)}, "
+                  f"artifacts in {artifacts}. Each client, before make repro / dvc exp run:\n"
+                  f"  export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user>\n"
+                  "  export MLFLOW_TRACKING_PASSWORD=<password>   # e.g. read -rs "
+                  "MLFLOW_TRACKING_PASSWORD; export MLFLOW_TRACKING_PASSWORD\n"
+                  f"Users and permissions: README, A team's tracking server ({admin} is the admin)",
+                  flush=True)
+            server.wait()
+    except UserError as e:  # the log's last lines may hold the database URI
+        raise UserError(masked(str(e))) from None
+    finally:
+        ini.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    run_stage(main)

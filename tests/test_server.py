@@ -1,0 +1,324 @@
+"""The team's tracking server (`make server`): a real PostgreSQL, a real `mlflow server` with
+logins on a free loopback port, and the stages logging to it as a team member would."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import secrets
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run, wait_for_queue
+from tests.services import (
+    create_and_log,
+    create_database,
+    logged_in_page,
+    mlflow_server,
+    postgres,  # noqa: F401 - the fixture
+    server_env,
+)
+
+TINY = {"epochs": "2", "model.width": "8", "export.register_as": "reprotrain"}
+
+
+@pytest.fixture(scope="module")
+def server(postgres, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    db = create_database(postgres, f"mlflow_{secrets.token_hex(4)}")
+    with mlflow_server(db, tmp_path_factory.mktemp("server")) as s:
+        yield s
+
+
+def start_server(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stages.server", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def one_error_line(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0]
+
+
+def test_make_server_refuses_each_missing_input_in_one_line(tmp_path):
+    env = server_env("admin", "a-long-enough-password")
+    db, art = f"sqlite:///{tmp_path / 'never.db'}", str(tmp_path / "art")
+    p = run(["make", "-s", "server", f"VENV={VENV_BIN.parent}", f"ARTIFACTS={art}", "PORT=5999"],
+            ROOT, env=env, check=False)
+    assert p.returncode != 0 and "error: no database: `make server DB=postgresql://" in p.stderr
+    assert "Traceback" not in p.stderr
+    cases = {
+        "MLFLOW_TRACKING_PASSWORD must be set": dict(MLFLOW_TRACKING_PASSWORD=""),
+        "MLFLOW_TRACKING_USERNAME and": dict(MLFLOW_TRACKING_USERNAME=""),
+        "MLFLOW_TRACKING_PASSWORD is too short": dict(MLFLOW_TRACKING_PASSWORD="short"),
+        "MLFLOW_FLASK_SERVER_SECRET_KEY must be set": dict(MLFLOW_FLASK_SERVER_SECRET_KEY="abc"),
+    }
+    for said, change in cases.items():
+        line = one_error_line(start_server("--db", db, "--artifacts", art, "--port", "5999",
+                                           env={**env, **change}))
+        assert said in line
+    line = one_error_line(start_server("--db", db, "--artifacts", art, "--port", "5999",
+                                       "--host", "0.0.0.0", env=env))
+    assert "HOST=0.0.0.0 needs ALLOWED_HOSTS" in line
+    line = one_error_line(start_server("--db", "/srv/mlflow.db", "--artifacts", art, "--port", "1",
+                                       env=env))
+    assert "is not a database URI" in line
+    assert not (tmp_path / "never.db").exists()  # refused before anything was made
+
+
+def test_a_schema_from_a_newer_mlflow_is_refused_in_one_line(postgres, tmp_path):  # noqa: F811
+    db = create_database(postgres, f"stale_{secrets.token_hex(4)}")
+    subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", db], check=True,
+                   capture_output=True)
+    import psycopg
+
+    with psycopg.connect(db, autocommit=True) as conn:  # as a newer MLflow's migration leaves it
+        conn.execute("UPDATE alembic_version SET version_num = 'f0e1d2c3b4a5'")
+    # A password in the URI (trust auth ignores it) must not be echoed.
+    with_password = db.replace("postgres@", "postgres:db-secret-9f3@")
+    p = start_server("--db", with_password, "--artifacts", str(tmp_path / "art"), "--port", "5999",
+                     env=server_env("admin", "a-long-enough-password"))
+    line = one_error_line(p)
+    assert "schema revision f0e1d2c3b4a5, which MLflow" in line and "newer MLflow" in line
+    assert "db-secret-9f3" not in p.stdout + p.stderr and "postgres:***@" in line
+    assert "starting the MLflow server" not in p.stdout
+
+
+def test_without_a_login_or_with_a_wrong_one_the_refusal_is_one_line(server, tmp_path):
+    """Tracking never stops the stage: it goes on with one warning that says how to fix it."""
+    code = ("from stages import tracking; from stages.config import MlflowConfig\n"
+            "with tracking.start_run(MlflowConfig(experiment='refused')) as run:\n"
+            "    run.log_params({'lr': 0.1})\n"
+            "print('the stage went on')\n")
+    for login, said in [({}, "the server needs a login: set MLFLOW_TRACKING_USERNAME and "
+                              "MLFLOW_TRACKING_PASSWORD"),
+                        ({"MLFLOW_TRACKING_USERNAME": server.user,
+                          "MLFLOW_TRACKING_PASSWORD": "wrong-password-123"},
+                         f"the server refused the login of '{server.user}': set")]:
+        p = run([sys.executable, "-c", code], ROOT,
+                env=env_with(MLFLOW_TRACKING_URI=server.uri, **login))
+        assert p.stdout.strip() == "the stage went on"
+        warned = [line for line in p.stderr.splitlines() if "Warning" in line]
+        assert len(warned) == 1 and said in warned[0], p.stderr
+        assert "Traceback" not in p.stderr and "wrong-password-123" not in p.stderr
+
+
+def test_the_server_listens_on_loopback_and_refuses_foreign_host_headers(server):
+    import base64
+    import urllib.error
+    import urllib.request
+
+    import psutil
+
+    port = int(server.uri.rsplit(":", 1)[1])
+    bound = {c.laddr.ip for c in psutil.net_connections("tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert bound == {"127.0.0.1"}
+    login = base64.b64encode(f"{server.user}:{server.password}".encode()).decode()
+    api = f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    with urllib.request.urlopen(urllib.request.Request(
+            api, headers={"Authorization": f"Basic {login}"}), timeout=30) as r:
+        assert r.status == 200
+    for headers, code in [({"Authorization": f"Basic {login}", "Host": "evil.example.com"}, 403),
+                          ({}, 401)]:  # DNS rebinding; no login
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(api, headers=headers), timeout=30)
+        assert err.value.code == code
+
+
+def test_a_read_only_user_can_browse_but_not_log(server, monkeypatch):
+    import mlflow
+    import mlflow.server
+
+    from stages import tracking
+    from stages.config import MlflowConfig
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)  # never this checkout's mlflow.db
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    mlflow.set_tracking_uri(server.uri)
+    with tracking.start_run(MlflowConfig(experiment="shared")) as run:
+        run.log_params({"lr": 0.1})
+    auth = mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri)
+    auth.create_user("reader", "reader-password-1")  # READ is the server's default permission
+    mlflow.MlflowClient(server.uri).create_registered_model("shared")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-1")
+    exp = mlflow.get_experiment_by_name("shared")
+    runs = mlflow.search_runs([exp.experiment_id], output_format="list")
+    assert [r.info.run_id for r in runs] == [run.run_id] and runs[0].data.params == {"lr": "0.1"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tracking.start_run(MlflowConfig(experiment="shared")) as refused:
+            refused.log_params({"lr": 0.2})
+    assert refused.run_id is None
+    said = [str(w.message) for w in caught if "MLflow" in str(w.message)]
+    assert len(said) == 1 and "user 'reader' may not write here: ask the server's admin" in said[0]
+    client = mlflow.MlflowClient(server.uri)
+    with pytest.raises(mlflow.MlflowException, match="403"):
+        client.set_registered_model_tag("shared", "owner", "reader")
+
+    # README's grants (as the admin): EDIT on the experiment and the registered model.
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    assert len(mlflow.search_runs([exp.experiment_id], output_format="list")) == 1
+    auth.grant_user_permission("reader", "experiment", exp.experiment_id, "EDIT")
+    auth.grant_user_permission("reader", "registered_model", "shared", "EDIT")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "reader")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "reader-password-1")
+    with tracking.start_run(MlflowConfig(experiment="shared")) as granted:
+        granted.log_params({"lr": 0.2})
+    assert granted.run_id and client.get_run(granted.run_id).data.params == {"lr": "0.2"}
+    client.set_registered_model_tag("shared", "owner", "reader")
+
+
+def test_a_password_in_params_yaml_is_refused_without_showing_it():
+    from stages.config import MlflowConfig, ParamsError
+
+    with pytest.raises(ParamsError) as refused:
+        MlflowConfig(tracking_uri="http://alice:hunter2-secret@mlflow.example.com")
+    assert "hunter2-secret" not in str(refused.value)
+    assert "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in str(refused.value)
+
+
+def test_two_processes_creating_the_experiment_at_once_both_log(server, monkeypatch):
+    """mlflow #4123: the second create fails with "already exists"; both runs must still log."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+
+    ctx = multiprocessing.get_context("spawn")
+    names = [f"race-{i}" for i in range(2)]
+    with ctx.Manager() as manager, ctx.Pool(2) as pool:
+        for name in names:
+            barrier = manager.Barrier(2)
+            results = pool.starmap(create_and_log, [(server.uri, server.user, server.password,
+                                                      name, barrier)] * 2)
+            assert all(run_id and not said for run_id, said in results), results
+            client = mlflow.MlflowClient(server.uri)
+            exp = client.get_experiment_by_name(name)
+            found = {r.info.run_id for r in client.search_runs([exp.experiment_id])}
+            assert found == {run_id for run_id, _ in results}
+
+
+def server_run(server, monkeypatch, experiment: str = "reprotrain") -> list:
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    client = mlflow.MlflowClient(server.uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def assert_no_local_store(path: Path) -> None:
+    assert not (path / "mlflow.db").exists() and not (path / "mlartifacts").exists()
+    assert not list(path.glob("**/mlflow.db")) and not list(path.glob("**/mlartifacts"))
+
+
+def assert_nowhere(secret: str, path: Path, *texts: str) -> None:
+    """Not in any file of the workspace (DVC's cache and git's objects included) nor the texts."""
+    for f in path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            assert secret.encode() not in f.read_bytes(), f
+    for text in texts:
+        assert secret not in text
+
+
+@pytest.mark.slow
+def test_every_stage_logs_to_the_server_and_nothing_stays_local(server, tmp_path, monkeypatch):
+    repo = copy_repo(tmp_path / "repo", {**TINY, "mlflow.experiment": "e2e",
+                                         "export.register_as": "e2e"})
+    env = server.client_env()
+    out = [run(["make", "repro", f"VENV={VENV_BIN.parent}"], repo, env=env)]
+    out.append(run(["dvc", "exp", "run", "-S", "lr=0.01"], repo, env=env))
+    ui = run(["make", "-s", "ui", f"VENV={VENV_BIN.parent}"], repo, env=env, timeout=60)
+    out.append(ui)
+
+    client, runs = server_run(server, monkeypatch, "e2e")
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    first, exp_run = runs
+    assert first.data.params["epochs"] == "2" and exp_run.data.params["lr"] == "0.01"
+    assert exp_run.data.tags["dvc_exp_name"] == exp_run.info.run_name
+    for r in runs:
+        assert {"train/loss", "val/acc", "eval/accuracy"} <= r.data.metrics.keys()
+        assert len(client.get_metric_history(r.info.run_id, "train/loss")) >= 2
+        assert r.info.artifact_uri.startswith("mlflow-artifacts:/")  # proxied by the server
+        files = {a.path for a in client.list_artifacts(r.info.run_id, "train")}
+        assert {"train/metrics.json", "train/history.csv"} <= files
+        assert client.search_logged_models([r.info.experiment_id],
+                                           filter_string=f"source_run_id = '{r.info.run_id}'")
+    versions = client.search_model_versions("name = 'e2e'")
+    assert sorted(v.run_id for v in versions) == sorted(r.info.run_id for r in runs)
+    assert client.get_model_version_by_alias("e2e", "candidate").run_id == exp_run.info.run_id
+    assert client.get_model_version_by_alias("e2e", "champion").run_id in {
+        r.info.run_id for r in runs}
+    link = json.loads((repo / "models/train/run.json").read_text())
+    assert link["tracking_uri"] == server.uri and link["run_id"] == exp_run.info.run_id
+
+    # make ui starts no local UI: it prints the server's runs table.
+    assert ui.stdout.startswith(f"runs are on the tracking server: open {server.uri}/#/experiments/")
+    assert "workflowType=machine_learning" in ui.stdout
+
+    # The UI in a real browser: the runs table after logging in; a wrong password shows none of it.
+    table, name = ui.stdout.split("open ", 1)[1].strip(), exp_run.info.run_name
+    assert name in logged_in_page(table, server.user, server.password, tmp_path / "runs.png", name)
+    assert (tmp_path / "runs.png").stat().st_size > 10_000
+    refused = logged_in_page(table, server.user, "wrong-password-123", tmp_path / "no.png", name, 20)
+    assert name not in refused
+
+    # Without a login, training still finishes and writes its outputs; one line says why.
+    (repo / "models/train/model.pt").unlink()
+    anon = run([sys.executable, "-m", "stages.train"], repo, env=env_with(
+        MLFLOW_TRACKING_URI=server.uri))
+    assert (repo / "models/train/model.pt").exists()
+    assert [line for line in anon.stderr.splitlines() if "set MLFLOW_TRACKING_USERNAME and" in line]
+    assert "Traceback" not in anon.stderr
+    out.append(anon)
+
+    assert_no_local_store(repo)
+    texts = [p.stdout + p.stderr for p in out]
+    for r in runs:
+        texts += [json.dumps(r.data.params), json.dumps(r.data.tags)]
+    assert_nowhere(server.password, repo, *texts)
+
+
+@pytest.mark.slow
+def test_two_clones_run_their_queues_at_once(server, tmp_path, monkeypatch):
+    clones = [copy_repo(tmp_path / name, TINY) for name in ("alice", "bob")]
+    env = server.client_env()
+    for clone, lr in zip(clones, ("0.02", "0.03"), strict=True):
+        run(["dvc", "exp", "run", "--queue", "-S", f"lr={lr}"], clone, env=env)
+    for clone in clones:
+        run(["dvc", "queue", "start", "-j", "1"], clone, env=env)
+    for clone in clones:
+        status = wait_for_queue(clone, env)
+        assert "Success" in status and "Failed" not in status, status
+
+    _, runs = server_run(server, monkeypatch)
+    queued = {r.data.params["lr"]: r for r in runs if r.data.params.get("lr") in ("0.02", "0.03")}
+    assert sorted(queued) == ["0.02", "0.03"]
+    assert all(r.info.status == "FINISHED" and "eval/accuracy" in r.data.metrics
+               for r in queued.values())
+    for clone in clones:
+        assert_no_local_store(clone)
+        assert_nowhere(server.password, clone)
+
+
+def test_no_password_in_the_servers_output_or_log(server):
+    """After the tests above logged in, refused logins and created users: what `make server`
+    printed and the server's own log hold neither password."""
+    import tempfile
+
+    port = server.uri.rsplit(":", 1)[1]
+    own_log = Path(tempfile.gettempdir()) / f"reprotrain-server-{port}.log"
+    assert "Created admin user 'admin'" in own_log.read_text()
+    for text in (server.log.read_text(), own_log.read_text()):
+        assert server.password not in text and "reader-password-1" not in text
