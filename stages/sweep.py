@@ -231,6 +231,10 @@ def storage_uri(given: str | None, workers: int) -> str:
         raise SweepError(f"STORAGE={shown(uri)} with {workers} workers: Optuna's FAQ says not to "
                          f"share SQLite between parallel workers ({SQLITE_FAQ}); use PostgreSQL, "
                          "or WORKERS=1")
+    path = uri.removeprefix("sqlite:///")
+    if uri.startswith("sqlite:///") and not path.startswith("/"):
+        # Each worker runs in its own clone: a relative file would be a new, empty one there.
+        uri = f"sqlite:///{Path(path).resolve()}"
     return uri
 
 
@@ -722,7 +726,8 @@ def plot(study, spec: dict, out: Path) -> Path:
         ax.scatter([t.params[key] for t in done if key in t.params],
                    [t.value for t in done if key in t.params], label="complete")
         ax.scatter([t.params[key] for t in pruned], last, marker="x", color="tab:red", label="pruned")
-        if log_axis(spec["space"][key]):
+        # An empty axis spans 0..1, which a log scale cannot draw (every trial failed).
+        if log_axis(spec["space"][key]) and any(key in t.params for t in done + pruned):
             ax.set_xscale("log")
         ax.set(xlabel=key, ylabel=obj["metric"], title=f"{obj['metric']} against {key}")
     fig.tight_layout()

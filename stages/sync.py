@@ -154,7 +154,10 @@ def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
     params = [Param(k, v) for k, v in run.data.params.items() if k not in have.data.params]
     report.conflicts += [f"{target}: param {k}" for k, v in run.data.params.items()
                          if have.data.params.get(k, v) != v]
-    tags = [RunTag(k, v) for k, v in run.data.tags.items()
+    # A tag naming the run itself (training_run_id of a run spooled from its start) names
+    # its copy here.
+    named = {k: target if v == run_id else v for k, v in run.data.tags.items()}
+    tags = [RunTag(k, v) for k, v in named.items()
             if k not in LOCAL_TAGS and have.data.tags.get(k) != v and not
             (merged and k.startswith("mlflow."))]  # a merged run keeps its name and source
     if merged and have.data.tags.get("reprotrain.replayed_from") is None:

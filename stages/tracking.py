@@ -51,6 +51,9 @@ logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
 
 RUN_FILE = "run.json"
+# How a store answers for a run it does not hold: basic-auth answers 403, not 404, since it
+# checks the permission on the run's experiment before anything looks the run up.
+MISSING_RUN = ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED")
 # A sweep's trials (stages/sweep.py) are children of the study's run: MLflow nests them under it.
 PARENT_RUN_ENV = "REPROTRAIN_SWEEP_PARENT_RUN"
 # MLflow's chart view groups metrics by the part of the name before the first `/`.
@@ -444,8 +447,9 @@ class Tracker:
         import mlflow
 
         # The active run: the spooled one when the server went away.
-        return bool(self._call(lambda: name in mlflow.get_run(
-            mlflow.active_run().info.run_id).data.metrics))
+        active = mlflow.active_run()
+        return active is not None and bool(self._call(
+            lambda: name in mlflow.get_run(active.info.run_id).data.metrics))
 
     def log_params(self, params: dict[str, Any]) -> None:
         import mlflow
@@ -610,10 +614,10 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if tracker.run_id:
+        if tracker.run_id and mlflow.active_run() is not None:  # None: it never started
             tracker._call(tracker._confirm)
             tracker.enabled = True  # close the run even if a log call failed on the way
-            active = tracker._call(lambda: mlflow.active_run().info.run_id)
+            active = mlflow.active_run().info.run_id
             tracker._call(mlflow.end_run, status)
             if ended and active:
                 tracker._call(lambda: mlflow.MlflowClient().set_terminated(active, status, ended))
@@ -713,7 +717,7 @@ def _server_id(experiment: str, run_id: str, uri: str) -> str:
     try:
         return client.get_run(run_id).info.run_id
     except MlflowException as e:
-        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+        if e.error_code not in MISSING_RUN:
             raise
     exp = client.get_experiment_by_name(experiment)
     key = f"{label(spool_uri())}#{run_id}"
@@ -739,7 +743,7 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
             _experiment_id(cfg.experiment, uri)  # a deleted experiment comes back with its runs
         run = mlflow.MlflowClient().get_run(run_id)
     except MlflowException as e:
-        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+        if e.error_code in MISSING_RUN:
             return f"its MLflow run {run_id} is not in {uri}", run_id
         return None, run_id
     except Exception:  # noqa: BLE001 - unreachable: start_run warns once

@@ -322,3 +322,37 @@ def test_no_password_in_the_servers_output_or_log(server):
     assert "Created admin user 'admin'" in own_log.read_text()
     for text in (server.log.read_text(), own_log.read_text()):
         assert server.password not in text and "reader-password-1" not in text
+
+
+def test_a_run_json_naming_a_run_the_server_lacks_gets_a_run_of_its_own(server, trained, tmp_path,
+                                                                        monkeypatch):
+    """What a replayed spool can leave: run.json naming a run id the server never had. Basic-auth
+    answers 403 for it, not 404, which once read as "may not write here": the stage then logged
+    nothing anywhere (found by a README walk after `make sync`)."""
+    import shutil
+
+    import mlflow
+    import mlflow.server
+
+    w = tmp_path / "w"
+    shutil.copytree(trained, w)
+    link = w / "models/train/run.json"
+    missing = "0" * 32
+    link.write_text(json.dumps(json.loads(link.read_text()) | {"run_id": missing,
+                                                                 "tracking_uri": server.uri}))
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)  # the admin, for the set-up
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    client = mlflow.MlflowClient(server.uri)
+    exp = client.get_experiment_by_name("reprotrain")
+    exp_id = exp.experiment_id if exp else client.create_experiment("reprotrain")
+    # A member, not the admin: basic-auth checks a member's permission before the run exists.
+    auth = mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri)
+    auth.create_user("member", "member-password-1")
+    auth.grant_user_permission("member", "experiment", exp_id, "EDIT")
+    env = server.client_env(PYTHONPATH=str(ROOT)) | {"MLFLOW_TRACKING_USERNAME": "member",
+                                                      "MLFLOW_TRACKING_PASSWORD": "member-password-1"}
+    p = run([sys.executable, "-m", "stages.evaluate"], w, env=env)
+    assert f"its MLflow run {missing} is not in" in p.stderr, p.stderr
+    assert "may not write here" not in p.stderr and "failed" not in p.stderr, p.stderr
+    runs = client.search_runs([exp_id], f"tags.training_run_id = '{missing}'")
+    assert len(runs) == 1 and "eval/accuracy" in runs[0].data.metrics  # the evaluation landed
