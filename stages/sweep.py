@@ -698,6 +698,7 @@ def plot(study, spec: dict, out: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state.name == "COMPLETE"]
@@ -721,6 +722,7 @@ def plot(study, spec: dict, out: Path) -> Path:
     for n in failed:
         ax.axvline(n, color="grey", linestyle=":", label="failed" if n == failed[0] else None)
     ax.set(xlabel="trial", ylabel=obj["metric"], title=f"{study.study_name}: {obj['metric']} per trial")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # trial numbers, not 0.2, 0.4, ...
     ax.legend(fontsize=8)
     for ax, key in zip(axes[0][1:], keys, strict=True):
         ax.scatter([t.params[key] for t in done if key in t.params],
