@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stages import tracking
+from stages.checkpoints import remove_run
 from stages.cli import ArgumentParser, UserError
 from stages.cli import run_stage as run_command
 from stages.config import ParamsError, _read_yaml, check_params, load_params
@@ -450,7 +451,10 @@ def reset(clone: Path, commit: str) -> None:
     for name in ("params.yaml", "dvc.lock"):  # deleted: git restores them whatever its index says
         (clone / name).unlink(missing_ok=True)
     subprocess.run(["git", "-C", str(clone), "reset", "-q", "--hard", commit], check=True)
-    shutil.rmtree(clone / load_params(clone / "params.yaml").train.checkpoint_dir, ignore_errors=True)
+    # Only run folders this clone wrote: train.checkpoint_dir may be a folder others share.
+    root = clone / load_params(clone / "params.yaml").train.checkpoint_dir
+    for run_dir in root.iterdir() if root.is_dir() else ():
+        remove_run(run_dir, clone.resolve())
 
 
 def logged(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:

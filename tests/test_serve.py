@@ -90,16 +90,18 @@ def server(champion):
     proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--port", str(port)], cwd=w,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    lines = []
-    for line in proc.stdout:  # the curl line comes once the server answers
-        lines.append(line)
-        if line.startswith("curl "):
-            break
-    assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
-    yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines}
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    try:  # stopped, pass or fail
+        lines = []
+        for line in proc.stdout:  # the curl line comes once the server answers
+            lines.append(line)
+            if line.startswith("curl "):
+                break
+        assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
+        yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
 
 
 def test_export_logs_the_served_model_as_code_with_an_example(champion, tmp_path):
