@@ -4,6 +4,7 @@ where it is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import secrets
@@ -64,11 +65,17 @@ def postgres_cluster(folder: Path) -> Iterator[str]:
     subprocess.run(as_postgres(bin_dir / "pg_ctl", "-D", data, "-o", options, "-l",
                                folder / "postgres.log", "-w", "-t", "60", "start"),
                    check=True, capture_output=True)
+    # Its pid now: at the end pytest may already have closed the temp folders to `postgres`,
+    # and pg_ctl, running as that user, then cannot stop it.
+    pid = int((data / "postmaster.pid").read_text().split()[0])
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
-        subprocess.run(as_postgres(bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"),
-                       capture_output=True)
+        stopped = subprocess.run(as_postgres(bin_dir / "pg_ctl", "-D", data, "-m", "immediate",
+                                             "stop"), capture_output=True)
+        if stopped.returncode:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGQUIT)  # the server's own immediate shutdown
 
 
 def create_database(uri: str, name: str) -> str:
