@@ -27,7 +27,7 @@ from stages.cli import ArgumentParser, positive_int
 from stages.config import PREPARED, DataConfig, TrainConfig, load_params
 from stages.data import Split, load_meta, load_split
 from stages.files import atomic_write, write_json, write_text
-from stages.loop import train
+from stages.loop import Job, RunIO, train
 from stages.models import build_model
 from stages.runtime import (
     cpu_has_bf16,
@@ -100,8 +100,8 @@ def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int
     with contextlib.suppress(OSError, AttributeError):  # not glibc: the base is then higher
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = proc_status_mb("VmRSS") if reset_peak_mem(device) else None
-    result = train(model, tr, val, mean, std, cfg, lr=lr, epochs=2, batch_size=batch_size,
-                   seed=seed, progress=False, verbose=False)
+    result = train(model, Job(tr, val, mean, std, cfg, lr, 2, batch_size, seed),
+                   RunIO(progress=False, verbose=False))
     first, second = result.history
     # train() restarts the peak every epoch: this is the timed second epoch's.
     peak = second["peak_mem_mb"]

@@ -111,9 +111,9 @@ def pytorch_row(images: list[bytes], port: int, args, work: Path) -> dict:
     import mlflow.pytorch
     import torch
 
-    from stages.models import load_trained
+    from stages import model_file
 
-    model, _ = load_trained(TRAIN_DIR / "model.pt")
+    model, _ = model_file.load(TRAIN_DIR / "model.pt")
     spec = read_spec(EXPORT_DIR / "model.json")
     channels, size, _ = spec["input_shape"]
     folder = work / "pytorch-model"

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from stages import tracking
+from stages import model_file, tracking
 from stages.cli import run_stage
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
 from stages.data import load_meta, load_split
 from stages.files import write_json
-from stages.models import load_trained
 from stages.report import (
     classification_metrics,
     plot_confusion,
@@ -23,14 +22,14 @@ from stages.runtime import predict, resolve_device
 
 def main() -> None:
     params = load_params()
-    model, ckpt = load_trained(TRAIN_DIR / "model.pt")
+    model, trained = model_file.load(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
-    classes = ckpt["classes"]
+    classes = trained.classes
 
     # fp32 on purpose: the reported accuracy is the model's, not a lower-precision copy's.
     device = resolve_device(params.train.device)
-    logits = predict(model.to(device), test, torch.tensor(ckpt["mean"], device=device),
-                     torch.tensor(ckpt["std"], device=device), device=device,
+    logits = predict(model.to(device), test, torch.tensor(trained.mean, device=device),
+                     torch.tensor(trained.std, device=device), device=device,
                      batch_size=params.eval.batch_size)
     pred = logits.argmax(1)
     metrics, per_class = classification_metrics(logits, test.y, classes)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import tracking
+from stages import model_file, tracking
 from stages.cli import UserError, run_stage
 from stages.config import (
     EVAL_DIR,
@@ -27,7 +27,6 @@ from stages.config import (
 )
 from stages.data import load_meta, load_split, normalize
 from stages.files import atomic_write, atomic_write_all
-from stages.models import load_trained
 from stages.serving import model_kwargs, png_base64, quiet_type_hints
 
 
@@ -98,14 +97,14 @@ def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
 def main() -> None:
     params = load_params()
     cfg = params.export
-    model, ckpt = load_trained(TRAIN_DIR / "model.pt")
+    model, trained = model_file.load(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
     if max(cfg.check_batch_sizes) > len(test.x):
         raise ParamsError(f"params.yaml: export.check_batch_sizes={cfg.check_batch_sizes} is "
                           f"invalid: the test split ({PREPARED / 'test.pt'}) has {len(test.x)} "
                           f"images; use batch sizes up to {len(test.x)}")
-    images = normalize(test.x[:max(cfg.check_batch_sizes)], torch.tensor(ckpt["mean"]),
-                       torch.tensor(ckpt["std"]))
+    images = normalize(test.x[:max(cfg.check_batch_sizes)], torch.tensor(trained.mean),
+                       torch.tensor(trained.std))
     example = images[:2]  # batch > 1, or the exporters specialize the batch dimension to 1
 
     import onnxruntime as ort
@@ -124,10 +123,10 @@ def main() -> None:
                           cfg.check_batch_sizes, cfg.atol)
 
     description = json.dumps({
-        "arch": ckpt["model_params"]["arch"], "model_params": ckpt["model_params"],
-        "classes": ckpt["classes"], "mean": ckpt["mean"], "std": ckpt["std"],
-        "input_shape": [ckpt["channels"], ckpt["image_size"], ckpt["image_size"]],
-        "resize": ckpt["resize"],
+        "arch": trained.arch, "model_params": trained.model_params,
+        "classes": trained.classes, "mean": trained.mean, "std": trained.std,
+        "input_shape": [trained.channels, trained.image_size, trained.image_size],
+        "resize": trained.resize,
         "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
         "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
@@ -146,7 +145,7 @@ def main() -> None:
             run.log_artifact(EXPORT_DIR / name, "export")
         # The served model: images in, labels out, over the ONNX file just written (no pickle,
         # no torch to load it). Named after what it is (`cnn-digits`), not MLflow's `model`.
-        name = f"{ckpt['model_params']['arch']}-{params.data.source}"
+        name = f"{trained.arch}-{params.data.source}"
         with quiet_type_hints():
             info = (run.log_served_model(name, **model_kwargs(EXPORT_DIR, png_base64(
                 test.x[:2].numpy()))) if cfg.log_model else None)

@@ -1,7 +1,9 @@
-"""The training loop: `train` reads top to bottom as a screenful of steps, each a named function below it.
+"""The training loop: `train` reads top to bottom, each step a named function below it.
 
-Each optimization is switchable from the `train` section of params.yaml and commented once, where
-it happens, with the reason it is there.
+Each optimization that changes what is computed is a switch in params.yaml's `train` section,
+commented once where it happens with the reason it is there. Two only make the same arithmetic
+faster and are always on: the fused optimizer (stages/optim.py) and TF32 matmuls on CUDA
+(stages/runtime.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.cli import UserError
 from stages.config import TrainConfig
 from stages.data import Split, normalize
+from stages.metrics import EPOCH, epoch_line
 from stages.optim import EMA, Schedule, build_optimizer
 from stages.runtime import (
     autocast,
@@ -73,6 +76,35 @@ class OutOfMemory(UserError, RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Job:
+    """What to train on and how, and this process's place in an initialized torch.distributed
+    group (DDP)."""
+    train: Split
+    val: Split
+    mean: list[float]
+    std: list[float]
+    cfg: TrainConfig
+    lr: float
+    epochs: int
+    batch_size: int  # the global batch, split evenly across the processes
+    seed: int
+    rank: int = 0
+    world: int = 1
+
+
+@dataclass(frozen=True)
+class RunIO:
+    """What the run reads and writes besides the model: its log, its checkpoints (and the one
+    it resumes from), its printout."""
+    log: Log = no_log
+    ckpt_dir: Path | None = None  # None: no checkpoints
+    resume: dict | None = None  # a checkpoint of this run to go on from
+    extra_state: dict | None = None  # goes into every checkpoint as is
+    progress: bool | None = None  # the tqdm bar; None: when stderr is a terminal
+    verbose: bool = True  # a line per epoch, and why it stopped early
+
+
 @dataclass
 class TrainResult:
     model: nn.Module  # the uncompiled module holding the best (or EMA) weights
@@ -85,22 +117,28 @@ class TrainResult:
     device: str = "cpu"
     precision: str = "fp32"
     loader: str = "device"
-    train_s: float = 0.0
+    loop_s: float = 0.0  # the epochs, set-up excluded
 
 
 @dataclass
 class Setup:
-    """What stays fixed for the whole run."""
-    cfg: TrainConfig
+    """What stays fixed for the whole run, derived from the job."""
+    job: Job
     device: torch.device
     precision: str
     fmt: torch.memory_format
     mean: Tensor
     std: Tensor
-    seed: int
+    train: Split  # the training split; in overfit mode a few fixed batches of it
+    shuffle: bool
     pad: int  # augmentation: random-crop padding (0: off)
     hflip: bool
-    world: int
+    loader: str  # "device" or "workers"
+    plan: BatchPlan
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.job.cfg
 
 
 @dataclass
@@ -113,6 +151,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     criterion: nn.Module
+    schedule: Schedule
 
     @property
     def evaluated(self) -> nn.Module:
@@ -132,6 +171,24 @@ class LoopState:
     best_epoch: int = 0
     best_state: dict | None = None
     last_ckpt: Path | None = None  # not saved: where this state was last written
+    stopped_early: bool = False  # not saved
+
+
+@dataclass
+class EpochSums:
+    """An epoch's running totals. The tensors stay on the device: .item() is a host-device
+    sync, so it happens once, at the epoch's end."""
+    loss: Tensor
+    grad_norm: Tensor
+    finite_norms: Tensor  # steps whose gradient norm was finite
+    correct: Tensor
+    seen: int = 0
+    lr: float = 0.0  # the last step's
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> EpochSums:
+        zero = functools.partial(torch.zeros, (), device=device)
+        return cls(zero(), zero(), zero(dtype=torch.long), zero(dtype=torch.long))
 
 
 def _explain_oom(fn):
@@ -150,101 +207,59 @@ def _explain_oom(fn):
 
 
 @_explain_oom
-def train(model: nn.Module, train_split: Split, val_split: Split, mean: list[float],
-          std: list[float], cfg: TrainConfig, *, lr: float, epochs: int, batch_size: int,
-          seed: int, log: Log = no_log, ckpt_dir: Path | None = None,
-          resume: dict | None = None, extra_state: dict | None = None,
-          progress: bool | None = None, verbose: bool = True, rank: int = 0,
-          world: int = 1) -> TrainResult:
-    """Train `model` in place; returns it with the best weights by validation accuracy.
+def train(model: nn.Module, job: Job, io: RunIO = RunIO()) -> TrainResult:
+    """Train `model` in place; returns it with the best weights by validation accuracy."""
+    setup = set_up(job)
+    batches = batch_source(setup)
+    parts = build_parts(model, setup)
+    state = restore(io.resume, parts, setup) if io.resume is not None else LoopState()
+    guard = NonFiniteGuard(setup.device, job.world > 1)
+    loop_start = time.perf_counter()
 
-    `progress`: the tqdm bar (default: when stderr is a terminal); `verbose`: a line per epoch.
-    `rank`/`world`: this process in an initialized torch.distributed group (DDP); `batch_size`
-    is then the global batch, split evenly across the processes. `extra_state` goes into every
-    checkpoint as is.
-    """
-    setup = set_up(cfg, mean, std, seed, world)
-    loader = resolve_loader(cfg, [train_split, val_split])
-    train_split = overfit_subset(train_split, cfg, batch_size, seed)
-    plan = plan_batches(len(train_split.y), batch_size, world, cfg.accumulate)
-    batches = batch_source(loader, train_split, plan, setup, rank)
-    parts = wrap(model, setup, lr)
-    schedule = Schedule(cfg, lr, plan.steps_per_epoch, epochs)
-    state = restore(resume, parts, schedule, setup, rank) if resume is not None else LoopState()
-    guard = NonFiniteGuard(setup.device, world > 1)
-    show_bar = (sys.stderr.isatty() if progress is None else progress) and rank == 0
-    stopped_early = False
-    t_start = time.perf_counter()  # train_s: the loop itself, set-up excluded
-
-    for epoch in range(state.epoch, epochs):
+    for epoch in range(state.epoch, job.epochs):
         # Dropout draws from a generator seeded per (seed, epoch, rank): each process has its
         # own stream, and a resumed epoch replays without restoring any RNG state.
-        torch.manual_seed(epoch_seed(seed, epoch, rank))
+        torch.manual_seed(epoch_seed(job.seed, epoch, job.rank))
         t0 = time.perf_counter()
         reset_peak_mem(setup.device)
-        bar = tqdm(total=plan.steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}", leave=False,
-                   disable=not show_bar, dynamic_ncols=True)
-        sums = train_epoch(setup, parts, plan, batches(epoch), schedule, state, guard, epoch,
-                           log, bar)
-        bar.close()
-        train_loss, train_acc = epoch_figures(sums, setup, parts, guard, state, epoch)
-        train_s = time.perf_counter() - t0
-        val_loss, val_acc = validate(parts, val_split, setup, max(batch_size, 256))
-        row = {"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
-               "val_loss": val_loss, "val_acc": val_acc, "lr": sums["lr"],
-               "grad_norm": sums["grad_norm"].item() / int(sums["finite_norms"])
-               if sums["finite_norms"] else math.nan,
-               "samples_per_s": sums["seen"] / train_s, "epoch_s": time.perf_counter() - t0,
-               "peak_mem_mb": peak_mem_mb(setup.device)}
-        state.history.append(row)
-        log({k: v for k, v in row.items() if k != "epoch"}, epoch + 1, durable=True)
-        if verbose and rank == 0:
-            print(f"epoch {epoch + 1}/{epochs} train_loss {train_loss:.4f} train_acc "
-                  f"{train_acc:.4f} val_loss {val_loss:.4f} val_acc {val_acc:.4f} lr "
-                  f"{row['lr']:.2e} {row['samples_per_s']:.0f} samples/s {row['epoch_s']:.1f}s",
-                  file=sys.stderr, flush=True)
-
-        keep_best(state, parts, val_acc, val_loss, epoch)
-        schedule.end_epoch(state.bad_epochs)
-        state.epoch = epoch + 1
-        if ckpt_dir is not None and rank == 0:
-            state.last_ckpt = save_checkpoint(
-                checkpoint_state(parts, schedule, state, setup, extra_state), ckpt_dir, epoch + 1)
-        stopped_early = bool(cfg.early_stopping_patience) and \
-            state.bad_epochs >= cfg.early_stopping_patience
-        if stopped_early:
-            if verbose and rank == 0:
-                print(f"early stopping: no val_acc improvement for {state.bad_epochs} epochs",
-                      file=sys.stderr)
+        sums = train_epoch(setup, parts, state, guard, batches(epoch), epoch, io)
+        figures = epoch_figures(sums, setup, state, guard, epoch, t0)
+        share_batchnorm(parts, job.world)
+        figures |= validate(parts, job.val, setup, max(job.batch_size, 256))
+        figures |= {"epoch_s": time.perf_counter() - t0, "peak_mem_mb": peak_mem_mb(setup.device)}
+        row = epoch_row(epoch, figures)
+        report_epoch(row, state, io, job)
+        if end_epoch(row, state, parts, setup, io):
             break
 
-    final = parts.evaluated
-    if state.best_state is not None:
-        final.load_state_dict(state.best_state)
-    return TrainResult(
-        model=copy.deepcopy(final).cpu().to(memory_format=torch.contiguous_format),
-        history=state.history, best_epoch=state.best_epoch, best_val_acc=state.best_score[0],
-        best_val_loss=-state.best_score[1], epochs_run=len(state.history),
-        stopped_early=stopped_early, device=str(setup.device),
-        precision=setup.precision, loader=loader, train_s=time.perf_counter() - t_start)
+    return result(parts, state, setup, time.perf_counter() - loop_start)
 
 
 # ---------------------------------------------------------------- setting up
 
 
-def set_up(cfg: TrainConfig, mean: list[float], std: list[float], seed: int,
-           world: int) -> Setup:
+def set_up(job: Job) -> Setup:
+    cfg = job.cfg
     device = resolve_device(cfg.device)
-    if world > 1 and device.type == "cuda":  # each process's own GPU, made current at init
+    if job.world > 1 and device.type == "cuda":  # each process's own GPU, made current at init
         device = torch.device("cuda", torch.cuda.current_device())
     set_backends(cfg.deterministic)
     # channels_last lets conv kernels (oneDNN on CPU, cuDNN tensor cores) skip layout
     # transposes; it pays together with bf16 (docs/performance.md).
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    loader = resolve_loader(cfg, [job.train, job.val])
+    # Overfit mode proves that the model can learn at all: a few fixed batches, in order, not
+    # augmented.
     overfit = cfg.overfit_batches > 0
-    return Setup(cfg, device, resolve_precision(cfg.precision, device), fmt,
-                 torch.tensor(mean, device=device), torch.tensor(std, device=device), seed,
-                 0 if overfit else cfg.augment_crop_pad, cfg.augment_hflip and not overfit, world)
+    train_split = job.train
+    if overfit:
+        keep = epoch_order(len(train_split.y), job.seed, 0)[:cfg.overfit_batches * job.batch_size]
+        train_split = Split(train_split.x[keep], train_split.y[keep])
+    plan = plan_batches(len(train_split.y), job.batch_size, job.world, cfg.accumulate)
+    return Setup(job, device, resolve_precision(cfg.precision, device), fmt,
+                 torch.tensor(job.mean, device=device), torch.tensor(job.std, device=device),
+                 train_split, not overfit, 0 if overfit else cfg.augment_crop_pad,
+                 cfg.augment_hflip and not overfit, loader, plan)
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -252,30 +267,22 @@ def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a signed 64-bit value
 
 
-def overfit_subset(split: Split, cfg: TrainConfig, batch_size: int, seed: int) -> Split:
-    """Overfit mode: a few fixed batches, in order and without augmentation (see `set_up`), to
-    prove that the model can learn at all."""
-    if not cfg.overfit_batches:
-        return split
-    keep = epoch_order(len(split.y), seed, 0)[:cfg.overfit_batches * batch_size]
-    return Split(split.x[keep], split.y[keep])
+def batch_source(setup: Setup) -> Batches:
+    job = setup.job
+    args = (setup.train, setup.plan, setup.device, job.seed, setup.shuffle, job.rank, job.world)
+    if setup.loader == "device":
+        return device_batches(*args)
+    return loader_batches(*args, setup.cfg.num_workers)
 
 
-def batch_source(loader: str, split: Split, plan: BatchPlan, setup: Setup, rank: int) -> Batches:
-    shuffle = not setup.cfg.overfit_batches
-    if loader == "device":
-        return device_batches(split, plan, setup.device, setup.seed, shuffle, rank, setup.world)
-    return loader_batches(split, plan, setup.device, setup.seed, shuffle, rank, setup.world,
-                          setup.cfg.num_workers)
-
-
-def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
-    cfg, device = setup.cfg, setup.device
+def build_parts(model: nn.Module, setup: Setup) -> Parts:
+    """The model wrapped for the run, with its optimizer, loss scaler, EMA, loss and schedule."""
+    cfg, device, lr = setup.cfg, setup.device, setup.job.lr
     model.to(device, memory_format=setup.fmt)
     # DDP all-reduces gradients bucket by bucket while the backward pass is still running.
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if setup.world > 1 else None
+        if setup.job.world > 1 else None
     # torch.compile fuses kernels; weights are saved from `model`, the uncompiled module.
     net = ddp or model
     if cfg.compile:
@@ -289,49 +296,51 @@ def wrap(model: nn.Module, setup: Setup, lr: float) -> Parts:
     # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
     scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
     return Parts(model, net, ddp, ema, build_optimizer(model, cfg, lr, device), scaler,
-                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing))
+                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                 Schedule(cfg, lr, setup.plan.steps_per_epoch, setup.job.epochs))
 
 
 # ---------------------------------------------------------------- one epoch, one step
 
 
-def train_epoch(setup: Setup, parts: Parts, plan: BatchPlan, batches, schedule: Schedule,
-                state: LoopState, guard: NonFiniteGuard, epoch: int, log: Log, bar: tqdm) -> dict:
-    # Sums stay on the device: .item() is a host-device sync, so it happens only when logging.
-    zero = functools.partial(torch.zeros, (), device=setup.device)
-    sums = {"loss": zero(), "grad_norm": zero(), "finite_norms": zero(dtype=torch.long),
-            "correct": zero(dtype=torch.long), "seen": 0, "lr": 0.0}
+def train_epoch(setup: Setup, parts: Parts, state: LoopState, guard: NonFiniteGuard,
+                batches: Batches, epoch: int, io: RunIO) -> EpochSums:
+    sums = EpochSums.zeros(setup.device)
     t0 = time.perf_counter()
+    shown = (sys.stderr.isatty() if io.progress is None else io.progress) and setup.job.rank == 0
+    bar = tqdm(total=setup.plan.steps_per_epoch, desc=f"epoch {epoch + 1}/{setup.job.epochs}",
+               leave=False, disable=not shown, dynamic_ncols=True)
     parts.model.train()  # validation left it in eval mode
-    for window in windows(batches, plan):
+    for window in windows(batches, setup.plan):
         window_loss, n = forward_backward(setup, parts, window, epoch, sums)
-        lr = schedule.lr_at(state.step)
+        lr = parts.schedule.lr_at(state.step)
         grad_norm = optimizer_step(parts, setup.cfg, lr)
         # fp16 loss scaling skips a step whose gradients overflowed: its inf norm is not counted.
         finite = torch.isfinite(grad_norm)
-        sums["grad_norm"] += torch.where(finite, grad_norm, 0.0)
-        sums["finite_norms"] += finite
+        sums.grad_norm += torch.where(finite, grad_norm, 0.0)
+        sums.finite_norms += finite
         guard.check(window_loss, state.step, epoch, lr, state.last_ckpt)
         state.step += 1
-        sums["lr"] = lr
+        sums.lr = lr
         if state.step % setup.cfg.log_every == 0:
             step_loss = window_loss.item() / n
-            log({"train_loss_step": step_loss, "lr_step": lr}, state.step)
+            io.log({"train_loss_step": step_loss, "lr_step": lr}, state.step)
             bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}",
-                            samples_s=f"{sums['seen'] / (time.perf_counter() - t0):.0f}")
+                            samples_s=f"{sums.seen / (time.perf_counter() - t0):.0f}")
         bar.update()
+    bar.close()
     return sums
 
 
 def forward_backward(setup: Setup, parts: Parts, window: list, epoch: int,
-                     sums: dict) -> tuple[Tensor, int]:
+                     sums: EpochSums) -> tuple[Tensor, int]:
     """Gradients of one optimizer step, accumulated over its micro-batches."""
     window_n = sum(len(y) for _, y, _ in window)
     window_loss = torch.zeros((), device=setup.device)
     for i, (x, y, idx) in enumerate(window):
         # Augmentation keyed by (seed, epoch, sample index), batched on the device.
         if setup.pad or setup.hflip:
-            x = augment(x, idx, setup.seed, epoch, setup.pad, setup.hflip)
+            x = augment(x, idx, setup.job.seed, epoch, setup.pad, setup.hflip)
         x = normalize(x, setup.mean, setup.std).contiguous(memory_format=setup.fmt)
         # DDP: gradients are all-reduced once per window, on its last micro-batch.
         last = i == len(window) - 1
@@ -343,9 +352,9 @@ def forward_backward(setup: Setup, parts: Parts, window: list, epoch: int,
             # equals one batch of window_n samples, also for a short window.
             parts.scaler.scale(loss * (len(y) / window_n)).backward()
         window_loss += loss.detach() * len(y)
-        sums["correct"] += (logits.argmax(1) == y).sum()
-    sums["loss"] += window_loss
-    sums["seen"] += window_n
+        sums.correct += (logits.argmax(1) == y).sum()
+    sums.loss += window_loss
+    sums.seen += window_n
     return window_loss, window_n
 
 
@@ -394,7 +403,7 @@ class NonFiniteGuard:
         elif self.flag.item():
             raise NonFiniteLossError(nonfinite_message(step, epoch, lr, last_ckpt))
 
-    def end_epoch(self) -> None:
+    def epoch_checked(self) -> None:
         self.pending = None  # the epoch's last step is checked by its loss sum
 
 
@@ -407,63 +416,114 @@ def nonfinite_message(step: int, epoch: int, lr: float, last_ckpt: Path | None) 
 # ---------------------------------------------------------------- the end of an epoch
 
 
-def epoch_figures(sums: dict, setup: Setup, parts: Parts, guard: NonFiniteGuard,
-                  state: LoopState, epoch: int) -> tuple[float, float]:
-    """Training loss and accuracy of the epoch, over all processes."""
-    loss, correct, seen = sums["loss"], sums["correct"], sums["seen"]
-    if setup.world > 1:
+def epoch_figures(sums: EpochSums, setup: Setup, state: LoopState, guard: NonFiniteGuard,
+                  epoch: int, t0: float) -> dict[str, float]:
+    """The epoch's training figures, loss and accuracy over all processes."""
+    loss, correct, seen = sums.loss, sums.correct, sums.seen
+    if setup.job.world > 1:
         totals = torch.stack([loss, correct.to(loss.dtype)])
         torch.distributed.all_reduce(totals)
-        loss, correct, seen = totals[0], totals[1], seen * setup.world
-        # BatchNorm statistics are per process: validate every process with rank 0's, so they
-        # all see the same val_acc and take the same best-epoch and early-stopping decisions.
-        for module in (parts.model, parts.ema.module if parts.ema is not None else None):
-            for buffer in module.buffers() if module is not None else []:
-                torch.distributed.broadcast(buffer, 0)
+        loss, correct, seen = totals[0], totals[1], seen * setup.job.world
     train_loss = loss.item() / seen  # one sync per epoch
     if not math.isfinite(train_loss):
-        raise NonFiniteLossError(nonfinite_message(state.step - 1, epoch, sums["lr"], state.last_ckpt))
-    guard.end_epoch()
-    return train_loss, float(correct) / seen
+        raise NonFiniteLossError(nonfinite_message(state.step - 1, epoch, sums.lr, state.last_ckpt))
+    guard.epoch_checked()
+    return {"train_loss": train_loss, "train_acc": float(correct) / seen, "lr": sums.lr,
+            "grad_norm": sums.grad_norm.item() / int(sums.finite_norms)
+            if sums.finite_norms else math.nan,
+            "samples_per_s": sums.seen / (time.perf_counter() - t0)}  # after the sync
 
 
-def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> tuple[float, float]:
+def share_batchnorm(parts: Parts, world: int) -> None:
+    """BatchNorm statistics are per process: every process validates with rank 0's, so they
+    all see the same val_acc and take the same best-epoch and early-stopping decisions."""
+    if world == 1:
+        return
+    for module in (parts.model, parts.ema.module if parts.ema is not None else None):
+        for buffer in module.buffers() if module is not None else []:
+            torch.distributed.broadcast(buffer, 0)
+
+
+def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> dict[str, float]:
     net = parts.ema.module if parts.ema is not None else parts.net
     logits = predict(net, split, setup.mean, setup.std, device=setup.device,
                      precision=setup.precision, batch_size=batch_size,
                      channels_last=setup.cfg.channels_last)
     loss, acc = F.cross_entropy(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
-    if setup.world > 1:
+    if setup.job.world > 1:
         # Rank 0's figures for every process: they decide the best epoch, plateau cuts and early
         # stopping, and one ULP of difference (cudnn.benchmark tunes per process) would split
         # the decisions, drift the lr apart or leave the others waiting for a stopped rank.
         figures = torch.tensor([loss, acc], dtype=torch.float64, device=setup.device)
         torch.distributed.broadcast(figures, 0)
         loss, acc = figures.tolist()
-    return loss, acc
+    return {"val_loss": loss, "val_acc": acc}
 
 
-def keep_best(state: LoopState, parts: Parts, val_acc: float, val_loss: float, epoch: int) -> None:
+def epoch_row(epoch: int, figures: dict[str, float]) -> dict:
+    """The figures in stages/metrics.py's EPOCH order, which must declare exactly these."""
+    if figures.keys() != EPOCH.keys():
+        raise RuntimeError(f"epoch figures {sorted(figures.keys() ^ EPOCH.keys())}: computed in "
+                           "stages/loop.py or declared in stages/metrics.py EPOCH, not both")
+    return {"epoch": epoch + 1} | {name: figures[name] for name in EPOCH}
+
+
+def report_epoch(row: dict, state: LoopState, io: RunIO, job: Job) -> None:
+    state.history.append(row)
+    io.log({name: row[name] for name in EPOCH}, row["epoch"], durable=True)
+    if io.verbose and job.rank == 0:
+        print(epoch_line(row, job.epochs), file=sys.stderr, flush=True)
+
+
+def end_epoch(row: dict, state: LoopState, parts: Parts, setup: Setup, io: RunIO) -> bool:
+    """Keep the best weights, adjust the schedule, write a checkpoint; True to stop early."""
+    keep_best(state, parts, row)
+    parts.schedule.after_validation(state.bad_epochs)
+    state.epoch = row["epoch"]
+    rank0 = setup.job.rank == 0
+    if io.ckpt_dir is not None and rank0:
+        state.last_ckpt = save_checkpoint(checkpoint_state(parts, state, setup, io.extra_state),
+                                          io.ckpt_dir, state.epoch)
+    patience = setup.cfg.early_stopping_patience
+    state.stopped_early = bool(patience) and state.bad_epochs >= patience
+    if state.stopped_early and io.verbose and rank0:
+        print(f"early stopping: no val_acc improvement for {state.bad_epochs} epochs",
+              file=sys.stderr)
+    return state.stopped_early
+
+
+def keep_best(state: LoopState, parts: Parts, row: dict) -> None:
     """Best by validation accuracy, ties broken by lower validation loss."""
-    score = (val_acc, -val_loss)
+    score = (row["val_acc"], -row["val_loss"])
     if score > state.best_score:
-        state.best_score, state.best_epoch, state.bad_epochs = score, epoch + 1, 0
+        state.best_score, state.best_epoch, state.bad_epochs = score, row["epoch"], 0
         state.best_state = {k: v.detach().cpu().clone() for k, v in parts.evaluated.state_dict().items()}
     else:
         state.bad_epochs += 1
 
 
+def result(parts: Parts, state: LoopState, setup: Setup, loop_s: float) -> TrainResult:
+    final = parts.evaluated
+    if state.best_state is not None:
+        final.load_state_dict(state.best_state)
+    return TrainResult(
+        model=copy.deepcopy(final).cpu().to(memory_format=torch.contiguous_format),
+        history=state.history, best_epoch=state.best_epoch, best_val_acc=state.best_score[0],
+        best_val_loss=-state.best_score[1], epochs_run=len(state.history),
+        stopped_early=state.stopped_early, device=str(setup.device),
+        precision=setup.precision, loader=setup.loader, loop_s=loop_s)
+
+
 # ---------------------------------------------------------------- the checkpoint: written and restored here
 
 
-def checkpoint_state(parts: Parts, schedule: Schedule, state: LoopState, setup: Setup,
-                     extra: dict | None) -> dict:
+def checkpoint_state(parts: Parts, state: LoopState, setup: Setup, extra: dict | None) -> dict:
     return {
         "model": parts.model.state_dict(), "optimizer": parts.optimizer.state_dict(),
         "scaler": parts.scaler.state_dict(),
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "device": setup.device.type, "precision": setup.precision,
-        "schedule": schedule.state_dict(),
+        "schedule": parts.schedule.state_dict(),
         "epoch": state.epoch, "step": state.step, "bad_epochs": state.bad_epochs,
         "history": state.history, "best_score": list(state.best_score),
         "best_epoch": state.best_epoch, "best_state": state.best_state,
@@ -471,7 +531,7 @@ def checkpoint_state(parts: Parts, schedule: Schedule, state: LoopState, setup: 
     }
 
 
-def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: int) -> LoopState:
+def restore(ckpt: dict, parts: Parts, setup: Setup) -> LoopState:
     try:
         parts.model.load_state_dict(ckpt["model"])
         parts.optimizer.load_state_dict(ckpt["optimizer"])
@@ -479,7 +539,7 @@ def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: in
             parts.scaler.load_state_dict(ckpt["scaler"])
         if parts.ema is not None:
             parts.ema.load_state_dict(ckpt["ema"])
-        schedule.load_state_dict(ckpt["schedule"])
+        parts.schedule.load_state_dict(ckpt["schedule"])
         was = (ckpt["device"], ckpt["precision"])
         state = LoopState(ckpt["epoch"], ckpt["step"], ckpt["bad_epochs"], list(ckpt["history"]),
                           tuple(ckpt["best_score"]), ckpt["best_epoch"], ckpt["best_state"],
@@ -488,7 +548,7 @@ def restore(ckpt: dict, parts: Parts, schedule: Schedule, setup: Setup, rank: in
         raise CheckpointError(f"{ckpt.get('path', 'the checkpoint')} does not fit this run "
                               f"({type(e).__name__}: {e}); to start afresh, set train.resume: "
                               "never") from e
-    if rank == 0:
+    if setup.job.rank == 0:
         print(f"resuming from {ckpt.get('path', 'checkpoint')} at epoch {state.epoch + 1}",
               file=sys.stderr)
         now = (setup.device.type, setup.precision)

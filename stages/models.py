@@ -6,15 +6,12 @@ its name in `config.ARCHS` (a test keeps the two equal); new hyperparameters go 
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from stages.cli import UserError
 from stages.config import ModelConfig
-from stages.files import verify_digest
 
 
 def _block(c_in: int, c_out: int) -> nn.Sequential:
@@ -61,31 +58,6 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class CheckpointRefused(UserError, ValueError):
-    pass
-
-
-def load_checkpoint(path, map_location: str | torch.device = "cpu") -> dict:
-    """Verified against the SHA-256 train wrote beside it (a damaged file would evaluate
-    silently to a wrong figure), then weights_only=True: a checkpoint is data; a pickle that
-    runs code is refused, no fallback."""
-    try:
-        verify_digest(path)
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; run `dvc repro train` first") from None
-    except ValueError as e:
-        raise CheckpointRefused(f"{path}: {e}; restore it with `dvc checkout {path}` or "
-                                "rebuild it with `dvc repro train`") from None
-    except pickle.UnpicklingError as e:
-        raise CheckpointRefused(f"{path}: refused to load, it is not a plain weights file "
-                                f"(weights_only=True: {str(e).splitlines()[0]}). Rebuild it with "
-                                "`dvc repro train`; never load it with weights_only=False") from None
-    except (RuntimeError, EOFError) as e:  # a damaged archive that still matches its checksum
-        raise CheckpointRefused(f"{path}: unreadable ({str(e).splitlines()[0]}); rebuild it "
-                                "with `dvc repro train`") from None
-
-
 def skeleton(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
     """The architecture on the meta device: every tensor's name, shape and dtype, and no memory.
     What a file claims is checked against it before anything of the claimed size is allocated
@@ -125,18 +97,3 @@ def fill(model: nn.Module, weights: dict) -> nn.Module:
         raise ValueError(mismatch)
     model.load_state_dict(weights, assign=True)
     return model.eval()
-
-
-def load_trained(path) -> tuple[nn.Module, dict]:
-    """The model saved by the train stage, rebuilt from the params stored with it, in eval mode.
-    Its checksum can be forged with it: the params are bounded and the architecture is built on
-    the meta device, so the weights must match it before it takes any memory."""
-    ckpt = load_checkpoint(path)
-    try:
-        model = fill(skeleton(ModelConfig(**ckpt["model_params"]), ckpt["channels"],
-                              len(ckpt["classes"])), ckpt["model"])
-    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
-        why = str(e).splitlines()[0].removeprefix("params.yaml: ")  # ModelConfig's ParamsError
-        raise CheckpointRefused(f"{path}: its weights do not fit the model params stored with "
-                                f"it ({why}); rebuild it with `dvc repro train`") from None
-    return model, ckpt

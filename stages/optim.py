@@ -1,6 +1,7 @@
 """The optimizer, the weight average (EMA) and the learning-rate schedule. A new schedule: a
-function in `SCHEDULES` (or a branch in `Schedule.end_epoch`, if it reacts to validation), its
-name in `config.SCHEDULES` (a test keeps the two equal); its settings go in `TrainConfig`."""
+function in `SCHEDULES` (or a branch in `Schedule.after_validation`, if it reacts to
+validation), its name in `config.SCHEDULES` (a test keeps the two equal); its settings go in
+`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def _constant(s: Schedule, step: int) -> float:
 
 
 # `train.schedule` names an entry: the rate after warmup of optimizer step `step`. `plateau` is
-# constant until validation stalls (`Schedule.end_epoch`).
+# constant until validation stalls (`Schedule.after_validation`).
 SCHEDULES: dict[str, Callable[[Schedule, int], float]] = {
     "cosine": _cosine, "step": _step, "plateau": _constant, "constant": _constant,
 }
@@ -122,7 +123,7 @@ class Schedule:
             base = SCHEDULES[self.cfg.schedule](self, step)
         return base * self.scale
 
-    def end_epoch(self, epochs_without_improvement: int) -> None:
+    def after_validation(self, epochs_without_improvement: int) -> None:
         """Plateau: cut the rate after every `plateau_patience` epochs without improvement."""
         stalled, patience = epochs_without_improvement, self.cfg.plateau_patience
         if self.cfg.schedule == "plateau" and stalled and stalled % patience == 0:

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit
 from stages.cli import timed
 from stages.config import MlflowConfig, flatten, repo_root
 from stages.files import file_hash, write_json
+from stages.metrics import MLFLOW_NAMES
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -56,17 +57,6 @@ RUN_FILE = "run.json"
 MISSING_RUN = ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED")
 # A sweep's trials (stages/sweep.py) are children of the study's run: MLflow nests them under it.
 PARENT_RUN_ENV = "REPROTRAIN_SWEEP_PARENT_RUN"
-# MLflow's chart view groups metrics by the part of the name before the first `/`.
-METRIC_NAMES = {
-    "train_loss": "train/loss", "train_acc": "train/acc", "lr": "train/lr",
-    "grad_norm": "train/grad_norm", "train_loss_step": "train/loss_step",
-    "lr_step": "train/lr_step", "epochs_run": "train/epochs_run",
-    "val_loss": "val/loss", "val_acc": "val/acc", "best_val_acc": "val/best_acc",
-    "best_val_loss": "val/best_loss", "best_epoch": "val/best_epoch",
-    "samples_per_s": "perf/samples_per_s", "epoch_s": "perf/epoch_s",
-    "peak_mem_mb": "perf/peak_mem_mb", "train_s": "perf/train_s",
-    "num_params": "model/num_params",
-}
 # MLflow 3.17's UI opens experiments in GenAI mode (Traces, Latency, Token Usage) and its runs
 # table with no params or metrics. The experiment says it is model training, and carries a
 # shared view of the runs table with the columns worth comparing; `make ui` prints its URL.
@@ -85,7 +75,7 @@ EXPERIMENT_TAGS = {
 def metric_name(key: str) -> str:
     """The MLflow name of a metric: grouped, and with every character MLflow refuses (a class
     folder may be called `a,b` or `c+d`) replaced by `_`."""
-    return re.sub(r"[^\w\-. :/]", "_", METRIC_NAMES.get(key, key), flags=re.ASCII)
+    return re.sub(r"[^\w\-. :/]", "_", MLFLOW_NAMES.get(key, key), flags=re.ASCII)
 
 
 def reason(e: Exception) -> str:

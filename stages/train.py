@@ -6,7 +6,6 @@ Also models/train/run.json, not a DVC output: the MLflow run that evaluate and e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import platform
 import statistics
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages import distributed, tracking, trial
+from stages import distributed, model_file, tracking, trial
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,
@@ -36,17 +35,15 @@ from stages.config import (
     repo_root,
 )
 from stages.data import load_meta, load_split
-from stages.files import save_torch_verified, write_csv, write_json
-from stages.loop import train
+from stages.files import write_csv, write_json
+from stages.loop import Job, RunIO, train
+from stages.metrics import HISTORY
 from stages.models import build_model, count_params
 from stages.runtime import resolve_device
 
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
 TRAINING_KEYS = ("seed", "lr", "epochs", "batch_size", "model.", "train.")
-# history.csv: the per-epoch figures that compare across machines and reruns; the timings of
-# each epoch (samples_per_s, epoch_s, peak_mem_mb) go to MLflow only.
-HISTORY = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "grad_norm"]
 
 
 def main() -> None:
@@ -105,10 +102,9 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         # pruner may stop the run: it exits trial.PRUNED_EXIT and DVC records nothing of it.
         log = trial.reporting(watch.wrap(run.log), rank, world)
         try:
-            result = train(model, train_split, val_split, meta["mean"], meta["std"], params.train,
-                           lr=params.lr, epochs=params.epochs, batch_size=params.batch_size,
-                           seed=params.seed, log=log, ckpt_dir=ckpt_dir, resume=resume,
-                           extra_state={"run_id": run.run_id}, rank=rank, world=world)
+            job = Job(train_split, val_split, meta["mean"], meta["std"], params.train,
+                      params.lr, params.epochs, params.batch_size, params.seed, rank, world)
+            result = train(model, job, RunIO(log, ckpt_dir, resume, {"run_id": run.run_id}))
         except trial.Pruned as stop:
             run.set_tags({"pruned": "true", "pruned_at_epoch": stop.epoch})
             raise
@@ -116,16 +112,8 @@ def train_stage(params: Params, rank: int, world: int) -> None:
             return
         watch.check(force=True)  # the last chance before a result is recorded under its params
 
-        # The checkpoint describes itself: weights of the uncompiled module plus all it takes
-        # to rebuild and feed the model. Nothing run-specific (run id, timings): the same
-        # params, seed and machine give the same bytes, so a rerun leaves dvc.lock unchanged.
-        checkpoint = {"model": result.model.state_dict(),
-                      "model_params": dataclasses.asdict(params.model),
-                      "classes": meta["classes"], "mean": meta["mean"], "std": meta["std"],
-                      "channels": meta["channels"], "image_size": meta["image_size"],
-                      "resize": meta["resize"], "best_epoch": result.best_epoch}
-        # With its SHA-256 beside it (model.sha256, written last): every reader verifies it.
-        save_torch_verified(TRAIN_DIR / "model.pt", checkpoint)
+        model_file.save(TRAIN_DIR / "model.pt", result.model, params.model, meta,
+                        result.best_epoch)
         # What is worth comparing between experiments; timings and ids go to MLflow only.
         metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
                    "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
@@ -134,10 +122,10 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         write_csv(TRAIN_DIR / "history.csv", HISTORY,
                   ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
                    for r in result.history))
-        STAGE_TIMES["loop_s"] = result.train_s
+        STAGE_TIMES["loop_s"] = result.loop_s
         run.set_tags({"device": result.device, "precision": result.precision,
                       "loader": result.loader})
-        run.log_metrics(metrics | {"train_s": result.train_s, "samples_per_s":
+        run.log_metrics(metrics | {"train_s": result.loop_s, "samples_per_s":
                                    statistics.median(r["samples_per_s"] for r in result.history)})
         for name in ("metrics.json", "history.csv"):
             run.log_artifact(TRAIN_DIR / name, "train")
@@ -146,7 +134,7 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     remove_run(ckpt_dir, workspace)  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
           f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
-          f"{result.best_epoch}, {result.train_s:.1f}s")
+          f"{result.best_epoch}, {result.loop_s:.1f}s")
 
 
 def checkpoint_or_error(ckpt_dir: Path) -> dict | None | CheckpointError:

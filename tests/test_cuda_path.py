@@ -16,7 +16,7 @@ from torch import nn
 from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
 from stages.data import Split
-from stages.loop import train
+from stages.loop import Job, RunIO, train
 from stages.optim import EMA, build_optimizer
 from stages.runtime import predict
 from tests.training import (
@@ -147,11 +147,11 @@ def _ddp_worker(rank: int, world: int, init: str, data: dict, ckpt_dir: str, res
         val = data["val"][rank]  # each process its own validation split, when they differ
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = train(model, data["train"], val, data["mean"], data["std"],
-                           TrainConfig(**{**CPU_FP32, **data["cfg"]}), lr=3e-3,
-                           epochs=data["epochs"], batch_size=32, seed=0, progress=False,
-                           verbose=False, rank=rank, world=world,
-                           ckpt_dir=Path(ckpt_dir), resume=resume)
+            job = Job(data["train"], val, data["mean"], data["std"],
+                      TrainConfig(**{**CPU_FP32, **data["cfg"]}), 3e-3, data["epochs"], 32, 0,
+                      rank, world)
+            result = train(model, job, RunIO(ckpt_dir=Path(ckpt_dir), resume=resume,
+                                             progress=False, verbose=False))
         torch.save({"weights": result.model.state_dict(), "history": result.history,
                     "draw": torch.rand(4), "best_epoch": result.best_epoch},
                    f"{out}.{rank}")

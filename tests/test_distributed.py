@@ -10,7 +10,7 @@ import torch
 
 from stages.config import TrainConfig
 from stages.data import Split, save_prepared
-from stages.loop import train
+from stages.loop import Job, RunIO, train
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
 from tests.training import CPU_FP32, linear_model
 
@@ -19,10 +19,9 @@ def _worker(rank: int, world: int, init: str, data: dict, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        result = train(linear_model(), data["train"], data["val"], data["mean"], data["std"],
-                       TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), lr=3e-3, epochs=2,
-                       batch_size=32, seed=0, progress=False, verbose=False, rank=rank,
-                       world=world)
+        job = Job(data["train"], data["val"], data["mean"], data["std"],
+                  TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), 3e-3, 2, 32, 0, rank, world)
+        result = train(linear_model(), job, RunIO(progress=False, verbose=False))
         if rank == 0:
             torch.save(result.model.state_dict(), out)
     finally:
@@ -37,9 +36,9 @@ def test_ddp_update_equals_the_single_process_global_batch(digits, tmp_path):
     out = tmp_path / "ddp.pt"
     torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path / 'pg'}", data, str(out)),
                                 nprocs=2)
-    single = train(linear_model(), data["train"], data["val"], data["mean"], data["std"],
-                   TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), lr=3e-3, epochs=2,
-                   batch_size=32, seed=0, progress=False, verbose=False).model.state_dict()
+    job = Job(data["train"], data["val"], data["mean"], data["std"],
+              TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), 3e-3, 2, 32, 0)
+    single = train(linear_model(), job, RunIO(progress=False, verbose=False)).model.state_dict()
     ddp = torch.load(out, weights_only=True)
     assert max((ddp[k] - single[k]).abs().max().item() for k in single) < 1e-5
     assert max((single[k] - linear_model().state_dict()[k]).abs().max().item()

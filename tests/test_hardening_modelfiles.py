@@ -15,7 +15,8 @@ import torch
 
 from stages.config import ARCHS, ModelConfig, ParamsError
 from stages.files import save_torch_verified
-from stages.models import CheckpointRefused, load_trained, output_key, skeleton
+from stages.model_file import CheckpointRefused, load
+from stages.models import output_key, skeleton
 from tests.conftest import ROOT, env_with, run
 from tests.training import cnn
 from tests.workspaces import one_error_line, predict, rewrite_zip
@@ -329,14 +330,15 @@ def test_a_forged_checkpoint_and_its_checksum_are_refused_in_one_line(tmp_path, 
     before the architecture takes any memory (channels 10^6 would be a 1 GB first layer)."""
     _, meta = digits
     ckpt = {"model": cnn(width=8).state_dict(), "classes": meta["classes"], "channels": 1,
-            "model_params": {"arch": "cnn", "width": 8, "dropout": 0.1}}
+            "model_params": {"arch": "cnn", "width": 8, "dropout": 0.1}, "mean": meta["mean"],
+            "std": meta["std"], "image_size": 16, "resize": "fit", "best_epoch": 1}
     forged = {"width": {"model_params": {"arch": "cnn", "width": 10**6, "dropout": 0.1}},
               "channels": {"channels": 10**6}, "classes": {"classes": meta["classes"] * 1000},
               "weights": {"model": {"x": torch.zeros(1)}}}[forge]
     path = save_torch_verified(tmp_path / "model.pt", {**ckpt, **forged})
     start = time.monotonic()
     with pytest.raises(CheckpointRefused) as e:
-        load_trained(path)
+        load(path)
     msg = str(e.value)
     assert msg.startswith(f"{path}: its weights do not fit the model params stored with it (")
     assert "\n" not in msg and "dvc repro train" in msg and time.monotonic() - start < 2
@@ -344,7 +346,7 @@ def test_a_forged_checkpoint_and_its_checksum_are_refused_in_one_line(tmp_path, 
         assert "model.width=1000000 is invalid: must be 1..1024" in msg
     with pytest.raises(ParamsError, match="model.width=1025 is invalid: must be 1..1024"):
         ModelConfig(width=1025)  # params.yaml: the same bound before training starts
-    model, _ = load_trained(save_torch_verified(tmp_path / "good.pt", ckpt))
+    model, _ = load(save_torch_verified(tmp_path / "good.pt", ckpt))
     assert not any(t.is_meta for t in model.state_dict().values())
 
 

@@ -11,7 +11,9 @@ from torch import nn
 
 from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
+from stages import tracking
 from stages.loop import NonFiniteLossError
+from stages.metrics import EPOCH, HISTORY, EpochMetric, epoch_line
 from stages.optim import Schedule
 from stages.runtime import peak_mem_mb, proc_status_mb, reset_peak_mem
 from tests.training import cnn, fit, fit_ckpt, linear_model, max_diff, same_weights
@@ -50,13 +52,13 @@ def test_warmup_and_cosine_endpoints():
 def test_plateau_cuts_after_each_patience_of_stalled_epochs_and_resumes_its_cut():
     s = schedule("plateau", warmup_epochs=0, plateau_patience=2, plateau_factor=0.5)
     for stalled in (0, 1, 2, 3, 4):  # cuts at 2 and 4 epochs without improvement
-        s.end_epoch(stalled)
+        s.after_validation(stalled)
     assert s.lr_at(50) == pytest.approx(0.25)
     resumed = dataclasses.replace(s, scale=1.0)
     resumed.load_state_dict(s.state_dict())
     assert resumed.lr_at(50) == s.lr_at(50)
     cosine = schedule("cosine")
-    cosine.end_epoch(2)  # only plateau reacts to validation
+    cosine.after_validation(2)  # only plateau reacts to validation
     assert cosine.scale == 1.0
 
 
@@ -192,3 +194,28 @@ def test_cpu_peak_memory_restarts_so_an_earlier_peak_does_not_show_through():
     assert 180 < big < 260
     # The kernel's peak was reset: the earlier 191 MiB does not show through.
     assert 30 < small < 100
+
+
+def test_an_epoch_metric_declared_once_reaches_the_row_mlflow_and_the_printed_line(digits,
+                                                                                  capsys):
+    logged = {}
+    result = fit(linear_model(), digits, n=256, epochs=1, batch_size=32,
+                 log=lambda metrics, step, durable=False: logged.update(metrics) if durable else 0)
+    row = result.history[0]
+    assert list(row) == ["epoch", *EPOCH]
+    assert logged.keys() == EPOCH.keys()
+    assert {tracking.metric_name(k) for k in logged} == {m.mlflow for m in EPOCH.values()}
+    # samples/s is of the epoch's training pass only, so at least its share of the whole epoch
+    assert row["samples_per_s"] * row["epoch_s"] >= 256
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == epoch_line(row, 1) and line.startswith("epoch 1/1 train_loss ")
+    assert f"val_acc {row['val_acc']:.4f}" in line and "samples/s" in line
+    assert HISTORY == ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr",
+                       "grad_norm"]  # history.csv's columns: a change is a DVC output change
+
+
+def test_an_epoch_metric_declared_but_not_computed_fails_naming_it(digits, monkeypatch):
+    monkeypatch.setitem(EPOCH, "val_top5", EpochMetric("val/top5", True))
+    with pytest.raises(RuntimeError, match=r"\['val_top5'\]: computed in stages/loop.py or "
+                                           r"declared in stages/metrics.py EPOCH"):
+        fit(linear_model(), digits, n=64, epochs=1)

@@ -10,7 +10,7 @@ from torch import nn
 
 from stages.config import ModelConfig, TrainConfig
 from stages.data import Split
-from stages.loop import train
+from stages.loop import Job, RunIO, no_log, train
 from stages.models import build_model
 
 CPU_FP32 = dict(device="cpu", precision="fp32", loader="device", log_every=1000,
@@ -28,21 +28,21 @@ def cnn(seed: int = 0, width: int = 8) -> nn.Module:
 
 
 def fit(model, digits, n: int | None = None, epochs: int = 1, batch_size: int = 32,
-        lr: float = 3e-3, seed: int = 0, **cfg):
+        lr: float = 3e-3, seed: int = 0, log=no_log, **cfg):
     splits, meta = digits
     tr = splits["train"]
     if n is not None:
         tr = Split(tr.x[:n], tr.y[:n])
-    return train(model, tr, splits["val"], meta["mean"], meta["std"],
-                 TrainConfig(**{**CPU_FP32, **cfg}), lr=lr, epochs=epochs,
-                 batch_size=batch_size, seed=seed, progress=False)
+    return train(model, Job(tr, splits["val"], meta["mean"], meta["std"],
+                            TrainConfig(**{**CPU_FP32, **cfg}), lr, epochs, batch_size, seed),
+                 RunIO(log, progress=False))
 
 
 def fit_ckpt(model, digits, ckpt_dir, epochs: int, resume: dict | None = None, **cfg):
     splits, meta = digits
-    return train(model, splits["train"], splits["val"], meta["mean"], meta["std"],
-                 TrainConfig(**{**CPU_FP32, **cfg}), lr=3e-3, epochs=epochs, batch_size=64,
-                 seed=0, progress=False, ckpt_dir=ckpt_dir, resume=resume)
+    return train(model, Job(splits["train"], splits["val"], meta["mean"], meta["std"],
+                            TrainConfig(**{**CPU_FP32, **cfg}), 3e-3, epochs, 64, 0),
+                 RunIO(ckpt_dir=ckpt_dir, resume=resume, progress=False))
 
 
 def same_weights(a: nn.Module, b: nn.Module) -> bool:

@@ -1,0 +1,98 @@
+"""models/train/model.pt, the trained model: train writes it; evaluate, export and bench_serve
+read it. Its format is `TrainedModel`, here and nowhere else.
+
+The file describes itself: the weights of the uncompiled module, plus all it takes to rebuild
+and feed the model. Nothing run-specific (run id, timings): the same params, seed and machine
+give the same bytes, so a rerun leaves dvc.lock unchanged. Its SHA-256 goes beside it
+(model.sha256), and every read verifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stages.cli import UserError
+from stages.config import ModelConfig
+from stages.files import save_torch_verified, verify_digest
+from stages.models import fill, skeleton
+
+
+class CheckpointRefused(UserError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    weights: dict[str, torch.Tensor]  # the state_dict of the uncompiled module
+    model_params: dict  # params.yaml's `model` section, as a dict
+    classes: list[str]  # class names, in output order
+    mean: list[float]  # per channel, of the training split: (x - mean) / std
+    std: list[float]
+    channels: int
+    image_size: int
+    resize: str  # how prepare brought images to image_size
+    best_epoch: int
+
+    @property
+    def arch(self) -> str:
+        return self.model_params["arch"]
+
+
+def save(path: Path, model: nn.Module, model_cfg: ModelConfig, meta: dict,
+         best_epoch: int) -> None:
+    """`meta`: the prepared data's meta.json (classes, normalization, image geometry)."""
+    trained = TrainedModel(model.state_dict(), dataclasses.asdict(model_cfg), meta["classes"],
+                           meta["mean"], meta["std"], meta["channels"], meta["image_size"],
+                           meta["resize"], best_epoch)
+    save_torch_verified(path, _to_file(trained))
+
+
+def load(path: Path) -> tuple[nn.Module, TrainedModel]:
+    """The model rebuilt from the params stored with it, in eval mode. Its checksum can be
+    forged with it: the params are bounded and the architecture is built on the meta device, so
+    the weights must match it before it takes any memory."""
+    stored = _read(path)
+    try:
+        trained = TrainedModel(**{f.name: stored[_KEYS.get(f.name, f.name)]
+                                  for f in dataclasses.fields(TrainedModel)})
+        model = fill(skeleton(ModelConfig(**trained.model_params), trained.channels,
+                              len(trained.classes)), trained.weights)
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        why = str(e).splitlines()[0].removeprefix("params.yaml: ")  # ModelConfig's ParamsError
+        raise CheckpointRefused(f"{path}: its weights do not fit the model params stored with "
+                                f"it ({why}); rebuild it with `dvc repro train`") from None
+    return model, trained
+
+
+_KEYS = {"weights": "model"}  # field -> key in the file, where they differ
+
+
+def _to_file(trained: TrainedModel) -> dict:
+    return {_KEYS.get(f.name, f.name): getattr(trained, f.name)
+            for f in dataclasses.fields(TrainedModel)}
+
+
+def _read(path: Path) -> dict:
+    """Verified against its SHA-256 (a damaged file would evaluate silently to a wrong figure),
+    then weights_only=True: the file is data; a pickle that runs code is refused, no fallback."""
+    try:
+        verify_digest(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; run `dvc repro train` first") from None
+    except ValueError as e:
+        raise CheckpointRefused(f"{path}: {e}; restore it with `dvc checkout {path}` or "
+                                "rebuild it with `dvc repro train`") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointRefused(f"{path}: refused to load, it is not a plain weights file "
+                                f"(weights_only=True: {str(e).splitlines()[0]}). Rebuild it with "
+                                "`dvc repro train`; never load it with weights_only=False") from None
+    except (RuntimeError, EOFError) as e:  # a damaged archive that still matches its checksum
+        raise CheckpointRefused(f"{path}: unreadable ({str(e).splitlines()[0]}); rebuild it "
+                                "with `dvc repro train`") from None
