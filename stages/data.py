@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from stages.cli import UserError
+from stages.config import repo_root
 from stages.files import save_torch, write_json
 
 SPLITS = ("train", "val", "test")
@@ -57,8 +58,14 @@ def normalize(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return (x.float().div_(255) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
 
 
+def raw_data(source: str, root: str) -> Path:
+    """Where a source's raw data lives on this machine, which the run's dataset record names:
+    scikit-learn ships the digits; every other source reads `data.root`."""
+    return digits_file() if source == "digits" else (repo_root() / root).resolve()
+
+
 def digits_file() -> Path:
     """scikit-learn's handwritten digits as it ships them, found without importing scikit-learn
-    (seconds): the digits source reads it, and train names it as its dataset's source."""
+    (seconds): the digits source reads it, and the run's dataset record names it."""
     return Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
                 "datasets", "data", "digits.csv.gz")

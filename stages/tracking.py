@@ -478,12 +478,9 @@ def _log_dataset(meta: dict, root: str) -> None:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    if meta["source"] == "digits":
-        from stages.data import digits_file  # here: `make ui` imports this module, not torch
+    from stages.data import raw_data  # here: `make ui` imports this module, not torch
 
-        where = digits_file()
-    else:
-        where = (repo_root() / root).resolve()
+    where = raw_data(meta["source"], root)
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
         warnings.simplefilter("ignore")
         source = resolve_dataset_source(str(where))

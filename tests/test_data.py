@@ -93,3 +93,11 @@ def test_digits_are_scikit_learns_read_without_importing_it():
     theirs = sklearn_digits()
     assert torch.equal(x[:, 0], torch.from_numpy(np.round(theirs.images * (255 / 16)).astype(np.uint8)))
     assert y.tolist() == theirs.target.tolist() and classes == [str(c) for c in range(10)]
+
+
+def test_the_dataset_record_names_where_the_raw_data_lives():
+    from stages.data import raw_data
+
+    assert raw_data("digits", "data/raw").name == "digits.csv.gz"
+    assert raw_data("digits", "data/raw").is_file()  # inside scikit-learn, not data.root
+    assert raw_data("folder", "data/raw") == (ROOT / "data/raw").resolve()

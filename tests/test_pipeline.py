@@ -117,6 +117,7 @@ def test_one_mlflow_run_holds_params_metrics_and_artifacts(repo):
     (dataset,) = r.inputs.dataset_inputs
     meta = json.loads((repo / "data/prepared/meta.json").read_text())
     assert dataset.dataset.name == "digits" and meta["sha256"].startswith(dataset.dataset.digest)
+    assert dataset.dataset.source.endswith('datasets/data/digits.csv.gz"}')  # where sklearn ships it
     # The experiment opens in the classic runs view, not MLflow 3's GenAI view.
     exp = client.get_experiment(r.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
