@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from stages.config import Params, ParamsError, flatten, load_params
+from stages.config import ARCHS, Params, ParamsError, flatten, load_params
 from tests.conftest import ROOT, committed, copy_params, set_params
 
 
@@ -55,7 +55,7 @@ def test_scientific_notation_is_a_float(tmp_path):
     ("data:\n  val_fraction: 1.5\n", "data.val_fraction=1.5 is invalid: must be in (0, 1)"),
     ("data:\n  test_fraction: 0\n", "data.test_fraction=0"),
     ("data:\n  val_fraction: 0.5\n  test_fraction: 0.5\n", "must leave training data"),
-    ("model:\n  arch: vgg99\n", "model.arch='vgg99' is invalid: choose one of cnn, resnet18"),
+    ("model:\n  arch: vgg99\n", f"model.arch='vgg99' is invalid: choose one of {', '.join(ARCHS)}"),
     ("data:\n  source: imagenet\n", "data.source='imagenet' is invalid"),
     ("train:\n  precision: fp8\n", "train.precision='fp8'"),
     ("train:\n  compile: fast\n", "train.compile='fast'"),
@@ -116,8 +116,21 @@ def test_each_registry_holds_exactly_the_choices_the_config_accepts(tmp_path):
     for arch in config.ARCHS:  # every registered model builds and classifies
         model = models.build_model(ModelConfig(arch=arch, width=4), 3, 7).eval()
         assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 7)
-    with pytest.raises(ParamsError, match="model.arch='vit'.*choose one of cnn, resnet18"):
+    with pytest.raises(ParamsError, match=f"model.arch='vit'.*choose one of {', '.join(ARCHS)}"):
         load_params(write(tmp_path, "model:\n  arch: vit\n"))
+
+
+def test_the_readme_names_every_registered_choice():
+    """A new model, source or schedule shows in README's parameter table, or this fails."""
+    from stages import config
+
+    readme = (ROOT / "README.md").read_text()
+    for key, choices in (("model.arch", config.ARCHS), ("data.source", config.SOURCES),
+                         ("train.schedule", config.SCHEDULES)):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{key}` |"))
+        explained = row.split("|")[3]
+        missing = [c for c in choices if f"`{c}`" not in explained]
+        assert not missing, f"README's row for {key} does not name {missing}"
 
 
 def test_defaults_agree_in_the_schema_params_yaml_and_the_readme(tmp_path):
