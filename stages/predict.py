@@ -1,13 +1,14 @@
-"""python -m stages.predict PATH... : classify image files or folders with the exported model.
+"""python -m stages.predict PATH... : classify image files or folders with the exported model
+(or the trained models/train/model.pt, before export).
 
-The preprocessing is the training one, read from the model.json beside the model: the same
-decoding, mode conversion, resize policy, size and normalization.
+The preprocessing is the training one, read from the model.json beside the model (or from
+model.pt itself): the same decoding, mode conversion, resize policy, size and normalization.
 
     python -m stages.predict photo.jpg more_photos/ [--top-k 3] [--json]
 
 No model file runs code here, whatever its origin: .onnx runs in onnxruntime (a graph of
-standard operators), .pt2 and .safetensors give only tensors, which fill the architecture
-named in model.json.
+standard operators), .pt2, .safetensors and .pt give only tensors, which fill the architecture
+named in model.json (or stored in model.pt).
 """
 
 from __future__ import annotations
@@ -142,7 +143,6 @@ def eager_runner(model: Path, spec: dict):
     """The architecture model.json names, filled with the file's weights: each declared tensor
     is checked against the architecture (name, shape, dtype) before any is read, and no more is
     read than the architecture needs."""
-    import torch
 
     from stages.config import ModelConfig, _check
     from stages.models import fill, output_key, skeleton, weights_mismatch
@@ -172,7 +172,23 @@ def eager_runner(model: Path, spec: dict):
                             "(`dvc repro export`)")
 
     weights = (pt2_weights if model.suffix == ".pt2" else safetensors_weights)(model, check)
-    net = fill(net, weights)
+    return torch_runner(fill(net, weights))
+
+
+def trained_runner(model: Path):
+    """The trained model.pt, before export: the description stored with it (stages/model_file.py)
+    stands in for model.json. It is verified and read as data, like the exported files."""
+    from stages import model_file
+
+    net, trained = model_file.load(model)
+    spec = {"classes": trained.classes, "mean": trained.mean, "std": trained.std,
+            "input_shape": [trained.channels, trained.image_size, trained.image_size],
+            "resize": trained.resize}
+    return spec, torch_runner(net)
+
+
+def torch_runner(net):
+    import torch
 
     def run(x):
         with torch.inference_mode():
@@ -322,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", help="image files or folders (searched recursively)")
     ap.add_argument("--model", type=Path, default=Path("models/export/model.onnx"),
                     help="an exported model.onnx, model.pt2 or model.safetensors, with its "
-                         "model.json beside it")
+                         "model.json beside it, or the trained models/train/model.pt")
     ap.add_argument("--top-k", type=positive_int, default=1,
                     help="with --json, the K most likely classes of each image (default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -331,19 +347,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=positive_int, default=60, metavar="SECONDS",
                     help="the most one batch may run in onnxruntime (a graph can loop for ever)")
     args = ap.parse_args(argv)
-    if args.model.suffix not in MODEL_SUFFIXES:
-        raise DataError(f"--model {args.model}: not an exported model; predict runs "
+    if args.model.suffix == ".pt":
+        spec, run = trained_runner(args.model)
+        spec_path = args.model
+    elif args.model.suffix not in MODEL_SUFFIXES:
+        raise DataError(f"--model {args.model}: not a model predict runs: the exported "
                         f"models/export/model{', model'.join(MODEL_SUFFIXES)} (made by `dvc "
-                        "repro export`), each with its model.json")
-
-    spec_path = args.model.with_name("model.json")
-    for needed in (args.model, spec_path):
-        if not needed.is_file():
-            raise DataError(f"{needed} is missing; run `dvc repro export` first")
-    spec = read_spec(spec_path)
+                        "repro export`, each with its model.json), or the trained "
+                        "models/train/model.pt")
+    else:
+        spec_path = args.model.with_name("model.json")
+        for needed in (args.model, spec_path):
+            if not needed.is_file():
+                raise DataError(f"{needed} is missing; run `dvc repro export` first")
+        spec = read_spec(spec_path)
+        run = load_runner(args.model, spec, args.timeout)
     channels, size, _ = spec["input_shape"]
     classes = spec["classes"]
-    run = load_runner(args.model, spec, args.timeout)
     k = min(args.top_k, len(classes))
 
     failed = 0

@@ -135,10 +135,33 @@ def test_predict_validates_its_arguments_in_one_line(tmp_path, exported):
         p = predict(tmp_path, "img0.png", "--model", str(exported / "model.pt2"), *args)
         assert p.returncode == 2 and args[0] in one_error_line(p.stderr), (args, p.stderr)
         assert p.stdout == ""
-    (tmp_path / "model.pt").write_bytes(b"x")
-    p = predict(tmp_path, "img0.png", "--model", "model.pt")
-    assert p.returncode == 1 and "not an exported model" in one_error_line(p.stderr)
+    (tmp_path / "model.ckpt").write_bytes(b"x")
+    p = predict(tmp_path, "img0.png", "--model", "model.ckpt")
+    assert p.returncode == 1 and "not a model predict runs" in one_error_line(p.stderr)
     assert "missing" not in p.stderr
+    (tmp_path / "model.pt").write_bytes(b"x")  # not train's: no checksum beside it
+    p = predict(tmp_path, "img0.png", "--model", "model.pt")
+    assert p.returncode == 1 and "model.pt: checksum missing" in one_error_line(p.stderr)
+
+
+def test_predict_runs_the_trained_model_pt_as_its_export_would(trained, tmp_path):
+    """Before export: model.pt describes itself (stages/model_file.py), so predict needs no
+    model.json; the labels are the model's own, evaluated in fp32 as evaluate does."""
+    from stages import model_file
+
+    samples = sorted((ROOT / "data/samples").glob("*.png"))
+    p = predict(tmp_path, *map(str, samples), "--json", "--model",
+                str(trained / "models/train/model.pt"))
+    assert p.returncode == 0, p.stderr
+    got = [json.loads(line) for line in p.stdout.splitlines()]
+    net, stored = model_file.load(trained / "models/train/model.pt")
+    from stages.predict import decode_image, model_input
+
+    x = model_input([decode_image(f, 1, stored.image_size, stored.resize) for f in samples],
+                    {"mean": stored.mean, "std": stored.std})
+    want = net(torch.from_numpy(x)).softmax(1).max(1)
+    assert [g["label"] for g in got] == [stored.classes[i] for i in want.indices]
+    assert [g["confidence"] for g in got] == pytest.approx(want.values.tolist(), abs=1e-6)
 
 
 def test_predict_text_output_escapes_tabs_and_newlines_in_names(tmp_path, exported):
