@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import tracking
+from stages import stores
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 
 # A progress bar per file would bury the one line sync prints.
@@ -35,7 +35,7 @@ SOURCE_MODEL = "reprotrain.source_model"
 SOURCE_VERSION = "reprotrain.source_version"
 ALIASES_SET = "reprotrain.aliases_set"  # a version's aliases were decided (killed before: again)
 # Marks of the source that stay behind: the spool's own bookkeeping.
-LOCAL_TAGS = (tracking.SERVER_RUN, tracking.SYNCED)
+LOCAL_TAGS = (stores.SERVER_RUN, stores.SYNCED)
 BATCH = 1000  # MLflow's limit of metrics per log_batch
 
 
@@ -60,7 +60,7 @@ class Report:
 
 def label(uri: str) -> str:
     """Where a run comes from, as a tag: this host and the store, never a password."""
-    return f"{platform.node()}:{tracking.plain_uri(uri).split('?')[0]}"
+    return f"{platform.node()}:{stores.plain_uri(uri).split('?')[0]}"
 
 
 def sync(source: str, target: str, budget_s: float | None = None,
@@ -76,7 +76,7 @@ def sync(source: str, target: str, budget_s: float | None = None,
     for exp in src.search_experiments(view_type=ViewType.ACTIVE_ONLY):
         runs = _all_runs(src, exp.experiment_id)
         if unsynced_only:
-            runs = [r for r in runs if r.data.tags.get(tracking.SYNCED) != _mark(r, target)]
+            runs = [r for r in runs if r.data.tags.get(stores.SYNCED) != _mark(r, target)]
         if not runs:
             continue
         exp_id = _experiment(dst, exp)
@@ -85,14 +85,14 @@ def sync(source: str, target: str, budget_s: float | None = None,
                 report.left += len(runs) - i
                 break
             _sync_run(src, dst, run, exp_id, origin, report)
-            if run.info.status != "RUNNING" and source == tracking.spool_uri():
+            if run.info.status != "RUNNING" and source == stores.spool_uri():
                 # Reopening a spooled run (a later stage) clears the mark: it is sent again.
-                src.set_tag(run.info.run_id, tracking.SYNCED, _mark(run, target))
+                src.set_tag(run.info.run_id, stores.SYNCED, _mark(run, target))
     return report
 
 
 def _mark(run, target: str) -> str:
-    return f"{tracking.plain_uri(target)}@{run.info.end_time}"
+    return f"{stores.plain_uri(target)}@{run.info.end_time}"
 
 
 def _all_runs(client, exp_id: str) -> list:
@@ -125,7 +125,7 @@ def _target_run(src, dst, run, exp_id: str, origin: str) -> tuple[str, bool, boo
     """The target's run for `run`: (id, merged into a run the server had, made now)."""
     from mlflow.exceptions import MlflowException
 
-    continues = run.data.tags.get(tracking.SERVER_RUN)
+    continues = run.data.tags.get(stores.SERVER_RUN)
     if continues:
         try:
             if dst.get_run(continues).info.lifecycle_stage == "active":
@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None) -> None:
     if not target:
         raise UserError("MLFLOW_TRACKING_URI is not set: set it to the tracking server to sync "
                         "to, e.g. MLFLOW_TRACKING_URI=http://host:5000 make sync")
-    source = args.source or tracking.spool_uri()
-    if not args.source and not tracking.spool_file().exists():
-        print(f"nothing to sync: no spool at {tracking.spool_file().parent} (no run was logged "
+    source = args.source or stores.spool_uri()
+    if not args.source and not stores.spool_file().exists():
+        print(f"nothing to sync: no spool at {stores.spool_file().parent} (no run was logged "
               "while the server was down)")
         return
     if source.startswith("sqlite:///"):
@@ -316,19 +316,19 @@ def main(argv: list[str] | None = None) -> None:
         if not db.is_file():
             raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
                             "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
-    if tracking.plain_uri(source) == tracking.plain_uri(target):
+    if stores.plain_uri(source) == stores.plain_uri(target):
         raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
-    if tracking.is_server(target) and not tracking.reachable(target):
-        raise UserError(f"the MLflow server {tracking.plain_uri(target)} does not answer: start "
+    if stores.is_server(target) and not stores.reachable(target):
+        raise UserError(f"the MLflow server {stores.plain_uri(target)} does not answer: start "
                         "it (make server) or check MLFLOW_TRACKING_URI, then rerun make sync")
     started = time.time()
     report = sync(source, target, args.budget_s)
     if not args.source and not report.left:
-        tracking.spool_synced(started)
+        stores.spool_synced(started)
     for conflict in report.conflicts[:5]:
         print(f"warning: kept the server's value of {conflict} (MLflow params are immutable)")
-    shown = args.source and tracking.plain_uri(source).split("?")[0] or f"{tracking.SPOOL}/"
-    print(report.line(shown, tracking.plain_uri(target)))
+    shown = args.source and stores.plain_uri(source).split("?")[0] or f"{stores.SPOOL}/"
+    print(report.line(shown, stores.plain_uri(target)))
 
 
 if __name__ == "__main__":

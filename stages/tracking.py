@@ -36,6 +36,17 @@ from stages.cli import timed
 from stages.config import MlflowConfig, flatten, repo_root
 from stages.files import file_hash, write_json
 from stages.metrics import MLFLOW_NAMES
+from stages.stores import (
+    SERVER_RUN,
+    SPOOL,
+    SYNCED,
+    is_server,
+    plain_uri,
+    reachable,
+    spool_file,
+    spool_synced,
+    spool_uri,
+)
 
 # A server that does not answer should cost seconds, not MLflow's default minutes of retries.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -184,45 +195,7 @@ def _md5(path: Path) -> str:
     return file_hash(path, "md5")
 
 
-# Where a stage logs while the tracking server does not answer: an embedded store of its own
-# (not a DVC output, git-ignored), which `make sync` replays onto the server.
-SPOOL = ".mlflow-spool"
-SERVER_RUN = "reprotrain.server_run_id"  # a spooled run continues this run of the server
-SYNCED = "reprotrain.synced"  # a spooled run already sent whole (to <server>@<end time>)
 REPLAY_S = 30  # a stage replays the spool for at most this long before its own work
-PROBE_S = 2.0
-
-
-def spool_file() -> Path:
-    return repo_root() / SPOOL / "mlflow.db"
-
-
-def spool_uri() -> str:
-    return f"sqlite:///{spool_file()}?timeout=60"
-
-
-def is_server(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
-
-
-def plain_uri(uri: str) -> str:
-    """A store's URI without the user and password it may carry."""
-    return re.sub(r"//[^/@]*@", "//", uri)
-
-
-def reachable(uri: str) -> bool:
-    """Whether the server answers at all (any HTTP status: a refusal is not an outage), within
-    PROBE_S: one quick look before minutes of MLflow's own retries."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(plain_uri(uri).rstrip("/") + "/health", timeout=PROBE_S):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _spool_run(experiment: str, run_id: str | None, name: str, server: str):
@@ -280,16 +253,6 @@ def replay_spool(uri: str) -> None:
         spool_synced(started)
     if report.runs or report.left:
         print(report.line(f"{SPOOL}/", plain_uri(uri)), file=sys.stderr)
-
-
-def spool_synced(since: float) -> None:
-    """Everything spooled before `since` is on the server: stages stop looking at the spool."""
-    marker = spool_file().parent / "unsynced"
-    try:
-        if marker.stat().st_mtime < since:
-            marker.unlink()
-    except FileNotFoundError:
-        pass
 
 
 class Tracker:

@@ -112,3 +112,13 @@ def test_every_params_key_is_declared_by_the_stages_it_decides():
         assert key in keys, f"NOT_TRAINING names {key}, which Params no longer has"
         if stage:
             assert key in dvc_stages()[stage]["params"], f"dvc.yaml: add {key} to {stage}'s params"
+
+
+def test_the_stages_import_each_other_without_a_cycle():
+    """Imports inside functions included: a cycle means the modules cannot be read, tested or
+    changed one at a time (tracking and sync once imported each other)."""
+    modules = sorted(p.stem for p in (ROOT / "stages").glob("*.py") if p.stem != "__init__")
+    imports = {m: stage_imports(m) - {f"stages/{m}.py"} for m in modules}
+    cycles = [m for m in modules if f"stages/{m}.py" in set().union(
+        *(stage_imports(Path(d).stem) for d in imports[m]))]
+    assert not cycles, f"these modules import themselves through others: {cycles}"
