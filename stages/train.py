@@ -36,7 +36,7 @@ from stages.config import (
 )
 from stages.data import load_meta, load_split
 from stages.files import write_csv, write_json
-from stages.loop import Job, RunIO, train
+from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params
 from stages.runtime import resolve_device
@@ -66,31 +66,12 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     model = build_model(params.model, meta["channels"], len(meta["classes"]))
 
     started = training_params(params)
-    decisive = {k: v for k, v in started.items()
-                if k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
-    key = params_hash(decisive, meta["sha256"])
-    workspace = repo_root()
-    ckpt_dir = workspace / params.train.checkpoint_dir / key
-    if params.train.resume == "never" and rank == 0 and ckpt_dir.exists() \
-            and not remove_run(ckpt_dir, workspace):
-        raise CheckpointError(f"train.resume: never, but {ckpt_dir} holds files this workspace "
-                              "cannot prove it wrote; move or delete that folder yourself")
-    if world == 1:
-        resume = latest_checkpoint(ckpt_dir)
-    else:  # rank 0's checkpoint for every rank: the others may run on machines without it
-        resume = distributed.from_rank0(checkpoint_or_error(ckpt_dir) if rank == 0 else None)
-    if resume is None and rank == 0:
-        tidy_other_runs(ckpt_dir, workspace, decisive)
-        open_run_dir(ckpt_dir, workspace, decisive)
+    key, ckpt_dir, resume = checkpoint_run(started, meta, params.train.checkpoint_dir, rank,
+                                           world)
     watch = ParamsWatch(Path("params.yaml"), started)
 
-    tags = {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
-            "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "params_hash": key, "data_sha256": meta["sha256"], "host": platform.node(),
-            "world_size": world}
     tracked = tracking.start_run(params.mlflow, run_id=resume and resume.get("run_id"),
-                                 tags=tags) if rank == 0 else \
+                                 tags=run_tags(key, meta, world)) if rank == 0 else \
         contextlib.nullcontext(tracking.Tracker("(rank 0 tracks)"))
     with tracked as run:
         if resume is None:
@@ -111,30 +92,64 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         if rank != 0:
             return
         watch.check(force=True)  # the last chance before a result is recorded under its params
+        write_outputs(result, params, meta, run)
 
-        model_file.save(TRAIN_DIR / "model.pt", result.model, params.model, meta,
-                        result.best_epoch)
-        # What is worth comparing between experiments; timings and ids go to MLflow only.
-        metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
-                   "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
-                   "num_params": count_params(result.model)}
-        write_json(TRAIN_DIR / "metrics.json", metrics)
-        write_csv(TRAIN_DIR / "history.csv", HISTORY,
-                  ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
-                   for r in result.history))
-        STAGE_TIMES["loop_s"] = result.loop_s
-        run.set_tags({"device": result.device, "precision": result.precision,
-                      "loader": result.loader})
-        run.log_metrics(metrics | {"train_s": result.loop_s, "samples_per_s":
-                                   statistics.median(r["samples_per_s"] for r in result.history)})
-        for name in ("metrics.json", "history.csv"):
-            run.log_artifact(TRAIN_DIR / name, "train")
-        tracking.link_model(run, TRAIN_DIR / "model.pt")
-
-    remove_run(ckpt_dir, workspace)  # complete: model.pt holds the result
+    remove_run(ckpt_dir, repo_root())  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
           f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
           f"{result.best_epoch}, {result.loop_s:.1f}s")
+
+
+def checkpoint_run(started: dict, meta: dict, checkpoint_dir: str, rank: int,
+                   world: int) -> tuple[str, Path, dict | None]:
+    """The run's checkpoint folder, keyed by what decides the weights (a changed
+    hyperparameter starts afresh, an unchanged one resumes), and the checkpoint to resume."""
+    decisive = {k: v for k, v in started.items()
+                if k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
+    key = params_hash(decisive, meta["sha256"])
+    workspace = repo_root()
+    ckpt_dir = workspace / checkpoint_dir / key
+    if started["train.resume"] == "never" and rank == 0 and ckpt_dir.exists() \
+            and not remove_run(ckpt_dir, workspace):
+        raise CheckpointError(f"train.resume: never, but {ckpt_dir} holds files this workspace "
+                              "cannot prove it wrote; move or delete that folder yourself")
+    if world == 1:
+        resume = latest_checkpoint(ckpt_dir)
+    else:  # rank 0's checkpoint for every rank: the others may run on machines without it
+        resume = distributed.from_rank0(checkpoint_or_error(ckpt_dir) if rank == 0 else None)
+    if resume is None and rank == 0:
+        tidy_other_runs(ckpt_dir, workspace, decisive)
+        open_run_dir(ckpt_dir, workspace, decisive)
+    return key, ckpt_dir, resume
+
+
+def run_tags(key: str, meta: dict, world: int) -> dict:
+    return {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
+            "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "params_hash": key, "data_sha256": meta["sha256"], "host": platform.node(),
+            "world_size": world}
+
+
+def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking.Tracker) -> None:
+    """models/train/, and the same figures and files to the run."""
+    model_file.save(TRAIN_DIR / "model.pt", result.model, params.model, meta, result.best_epoch)
+    # What is worth comparing between experiments; timings and ids go to MLflow only.
+    metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
+               "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
+               "num_params": count_params(result.model)}
+    write_json(TRAIN_DIR / "metrics.json", metrics)
+    write_csv(TRAIN_DIR / "history.csv", HISTORY,
+              ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
+               for r in result.history))
+    STAGE_TIMES["loop_s"] = result.loop_s
+    run.set_tags({"device": result.device, "precision": result.precision,
+                  "loader": result.loader})
+    run.log_metrics(metrics | {"train_s": result.loop_s, "samples_per_s":
+                               statistics.median(r["samples_per_s"] for r in result.history)})
+    for name in ("metrics.json", "history.csv"):
+        run.log_artifact(TRAIN_DIR / name, "train")
+    tracking.link_model(run, TRAIN_DIR / "model.pt")
 
 
 def checkpoint_or_error(ckpt_dir: Path) -> dict | None | CheckpointError:
