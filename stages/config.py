@@ -305,7 +305,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         # the old content, so git sees the file unchanged. Dropping the entry first makes git
         # write the committed file whatever the index says.
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
-            raise ParamsError(f"{e}. `dvc exp run -S` wrote this value into {path}: run "
+            # "did you mean 'lr'?" already ends a sentence.
+            end = " " if str(e).endswith("?") else ". "
+            raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: run "
                               f"`git rm -q --cached {path} && git checkout HEAD -- {path}` to restore "
                               "the committed values, then `dvc repro` the outputs DVC removed (from "
                               "its run-cache)") from None

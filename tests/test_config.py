@@ -74,6 +74,26 @@ def test_union_fields_accept_each_form(tmp_path):
     assert load_params(write(tmp_path, "train:\n  compile: true\n")).train.compile is True
 
 
+@pytest.mark.parametrize("text, expected", [
+    # A suggestion ends its own sentence: no "?." (issue 22's third walk met one).
+    ("lrr: 0.05\n", "did you mean 'lr'? `dvc exp run -S` wrote this value into params.yaml"),
+    ("lr: '1e-3'\n", "(remove the quotes). `dvc exp run -S` wrote this value into params.yaml"),
+])
+def test_a_workspace_exp_run_says_how_to_undo_what_it_wrote(tmp_path, monkeypatch, text,
+                                                            expected):
+    # As the params stage of a workspace `dvc exp run` sees it: DVC_EXP_NAME set, run from the
+    # workspace root.
+    write(tmp_path, text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_EXP_NAME", "beery-stay")
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    with pytest.raises(ParamsError) as err:
+        load_params("params.yaml")
+    assert expected in str(err.value)
+    assert "?." not in str(err.value)
+    assert "git rm -q --cached params.yaml && git checkout HEAD -- params.yaml" in str(err.value)
+
+
 def test_missing_file_says_where_to_run(tmp_path):
     with pytest.raises(ParamsError, match="not found; run from the repository root"):
         load_params(tmp_path / "nope.yaml")

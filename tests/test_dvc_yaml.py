@@ -4,12 +4,13 @@ one would let the run-cache restore outputs that a code change made stale."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from stages import config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, copy_repo, env_with, run
 
 # Modules that never write or change an output (stages/cli.py: exit codes, one-line errors,
 # argparse helpers): no stage reruns when they change.
@@ -122,3 +123,21 @@ def test_the_stages_import_each_other_without_a_cycle():
     cycles = [m for m in modules if f"stages/{m}.py" in set().union(
         *(stage_imports(Path(d).stem) for d in imports[m]))]
     assert not cycles, f"these modules import themselves through others: {cycles}"
+
+
+def test_line_charts_legends_tell_the_dashed_field_from_the_solid(tmp_path):
+    """DVC dashes the second field of a chart ([8, 8]); at Vega's default legend symbol (10 px)
+    both fields looked solid, so nothing said which curve was validation (issue 22's third walk)."""
+    repo = copy_repo(tmp_path / "repo")
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env=env_with())
+    page = (tmp_path / "plots/index.html").read_text()
+    specs = [json.loads(line.split("=", 1)[1].strip().removesuffix(";"))
+             for line in page.splitlines() if line.strip().startswith("var spec = ")]
+    dashed = {s["title"]["text"]: s for s in specs if "field" in s.get("encoding", {}).get("strokeDash", {})}
+    assert set(dashed) == {"loss per epoch (log scale)", "accuracy per epoch"}, list(dashed)
+    for title, spec in dashed.items():
+        period = max(sum(d) for d in spec["encoding"]["strokeDash"]["scale"]["range"])
+        # A stroke symbol is sqrt(symbolSize) long: it must hold a dash, its gap and more.
+        assert spec["config"]["legend"]["symbolSize"] ** 0.5 > period, title
+    assert dashed["loss per epoch (log scale)"]["encoding"]["y"]["scale"] == {"type": "log"}
+    assert dashed["accuracy per epoch"]["encoding"]["y"]["scale"] == {"zero": False}
