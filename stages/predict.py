@@ -340,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="an exported model.onnx, model.pt2 or model.safetensors, with its "
                          "model.json beside it, or the trained models/train/model.pt")
     ap.add_argument("--top-k", type=positive_int, default=1,
-                    help="with --json, the K most likely classes of each image (default 1)")
+                    help="the K most likely classes of each image, with their probabilities "
+                         "(default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--batch-size", type=positive_int, default=64,
                     help="images per run of the model (default 64); lower it to use less memory")
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = spec["classes"]
     k = min(args.top_k, len(classes))
 
-    failed = 0
+    failed, warned = 0, False
     files = collect(args.paths)
 
     def emit_error(path: Path, reason: str) -> None:
@@ -398,9 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "top_k": [{"label": classes[i], "p": float(p[i])} for i in top]}
                                  | ({"warning": warning} if warning else {})))
             else:
-                if warning:
-                    print(f"warning: {shown(path)}: {warning}", file=sys.stderr)
-                print(f"{shown(path)}\t{shown(classes[top[0]])}\t{p[top[0]]:.4f}")
+                if warning:  # the whole reason once, then the figures only
+                    print(f"warning: {shown(path)}: "
+                          f"{warning if not warned else warning.split(': it is ')[0]}",
+                          file=sys.stderr)
+                    warned = True
+                print("\t".join([shown(path), *(f"{shown(classes[i])}\t{p[i]:.4f}" for i in top)]))
     if not files:
         print("error: no image files found in " + " ".join(args.paths), file=sys.stderr)
         return 1

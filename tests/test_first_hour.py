@@ -95,6 +95,7 @@ def test_predict_warns_on_digits_drawn_dark_on_light(tmp_path, exported):
     dark = run([*args, *map(str, sorted(tmp_path.glob("inv*.png")))], tmp_path, env=env)
     assert dark.stderr.count("warning: ") == 10 and "brighter than what the model learned" \
         in dark.stderr, dark.stderr
+    assert dark.stderr.count("light strokes on a dark background") == 1  # the reason once
     rows = [json.loads(ln) for ln in run([*args, "--json", str(tmp_path / "inv3.png")], tmp_path,
                                          env=env).stdout.splitlines()]
     assert "far from the training images'" in rows[0]["warning"]

@@ -57,6 +57,9 @@ def test_predict_reproduces_evaluate_accuracy(shapes_repo):
 
     pt2 = predict(repo, "data/raw/shapes/test", "--json", "--model", "models/export/model.pt2")
     assert [json.loads(x)["label"] for x in pt2.stdout.splitlines()] == [r["label"] for r in rows]
+    text = predict(repo, "data/raw/shapes/test", "--top-k", "2").stdout.splitlines()
+    assert [line.split("\t") for line in text] == [
+        [r["path"], *(f for t in r["top_k"] for f in (t["label"], f"{t['p']:.4f}"))] for r in rows]
 
 
 def test_predict_names_a_bad_file_and_still_predicts_the_others(shapes_repo):
