@@ -159,13 +159,14 @@ def exp_name() -> str | None:
 
 def run_name() -> str:
     """The MLflow run is named after the DVC experiment, so `dvc exp show` and the UI agree.
-    A `dvc repro` in the workspace has no such name: its run is named after the commit, the
-    params that differ from the commit's and the time, so that five reruns with other lr and
-    epochs read as five runs: `workspace@967714c lr=0.01 epochs=5 00:31:07`."""
+    A `dvc repro` in the workspace has no such name: its run is named after the params that
+    differ from the commit's, the commit and the time, so that five reruns with other lr and
+    epochs read as five runs: `lr=0.01 epochs=5 workspace@967714c 00:31:07`. What differs comes
+    first: the UI's runs table cuts names at about 20 characters."""
     if exp_name():
         return exp_name()
     commit = git_commit()[:7] or "nogit"
-    return " ".join([f"workspace@{commit}", *params_changed(), time.strftime("%H:%M:%S")])
+    return " ".join([*params_changed(), f"workspace@{commit}", time.strftime("%H:%M:%S")])
 
 
 def params_changed(path: str = "params.yaml") -> list[str]:
