@@ -47,11 +47,15 @@ lock: setup ## refresh requirements.lock from pyproject.toml (uv pip compile, wi
 		--constraint lock-constraints.txt --custom-compile-command "make lock" \
 		-o requirements.lock
 
+# params.yaml checked first (bounded, in a second): DVC reads it whole before any stage runs,
+# and expands YAML aliases without a limit (a 1.9 KB "billion laughs" file: gigabytes, minutes).
 repro: setup ## run the whole pipeline: prepare, train, evaluate, export
+	@$(PY) -m stages.params
 	dvc repro
 
 # Every output's hash is in dvc.lock; a forced rerun of every stage must give the same bytes.
 verify: setup ## rerun every stage from scratch; fail unless each output is byte-identical to dvc.lock
+	@$(PY) -m stages.params
 	@mkdir -p .dvc/tmp && cp dvc.lock .dvc/tmp/dvc.lock.before-verify
 	dvc repro -f
 	@$(PY) -m stages.verify .dvc/tmp/dvc.lock.before-verify

@@ -333,7 +333,7 @@ def _read_yaml(path: Path) -> Any:
     """The YAML as plain containers, uninterpolated; a syntax error or a duplicate key names
     the line."""
     import yaml
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import GrammarParseError, OmegaConfBaseException
 
     with open(path, "rb") as f:
         text = f.read(MAX_YAML_BYTES + 1)  # at most this: the path may be a huge file or a pipe
@@ -348,6 +348,8 @@ def _read_yaml(path: Path) -> Any:
                               "aliases (*name); write the values out instead of nesting aliases")
         return OmegaConf.to_container(OmegaConf.load(io.BytesIO(text)), resolve=False) or {}
     except (yaml.YAMLError, OmegaConfBaseException) as e:
+        if isinstance(e, GrammarParseError):  # a broken `${`: refused naming its key, as any `${`
+            _refuse_interpolation(yaml.safe_load(text), path)
         where = getattr(e, "problem_mark", None)
         line = f"line {where.line + 1}: " if where else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]

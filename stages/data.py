@@ -7,15 +7,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from stages.cli import UserError
 from stages.config import repo_root
-from stages.files import save_torch, write_json
+from stages.files import atomic_write_all, json_text, torch_writer
 
 SPLITS = ("train", "val", "test")
 
@@ -26,10 +28,16 @@ class Split:
     y: Tensor  # int64 (N,)
 
 
-def save_prepared(out: Path, splits: dict[str, Split], meta: dict) -> None:
-    for name, s in splits.items():
-        save_torch(out / f"{name}.pt", {"x": s.x, "y": s.y})
-    write_json(out / "meta.json", meta)
+def save_prepared(out: Path, splits: dict[str, Split], meta: dict,
+                  texts: dict[str, str] | None = None) -> None:
+    """The splits, meta.json and `texts` (name -> content) written all or none: a failed write
+    must not leave new splits beside the previous meta.json."""
+    writes: dict[Path, Callable[[Path], Any]] = {
+        out / f"{name}.pt": torch_writer({"x": s.x, "y": s.y}) for name, s in splits.items()}
+    writes[out / "meta.json"] = lambda p: p.write_text(json_text(meta))
+    for name, text in (texts or {}).items():
+        writes[out / name] = lambda p, text=text: p.write_text(text)
+    atomic_write_all(writes)
 
 
 def load_meta(prepared: Path) -> dict:

@@ -9,13 +9,13 @@ from stages import model_file, tracking
 from stages.cli import run_stage
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
 from stages.data import load_meta, load_split
-from stages.files import write_json
+from stages.files import atomic_write_all, json_text, text_writer
 from stages.report import (
     classification_metrics,
-    plot_confusion,
-    plot_misclassified,
-    write_confusion_csv,
-    write_per_class_csv,
+    confusion_csv,
+    confusion_png,
+    misclassified_png,
+    per_class_csv,
 )
 from stages.runtime import predict, resolve_device
 
@@ -34,12 +34,15 @@ def main() -> None:
     pred = logits.argmax(1)
     metrics, per_class = classification_metrics(logits, test.y, classes)
 
-    write_json(EVAL_DIR / "metrics.json", metrics)
-    write_per_class_csv(EVAL_DIR / "per_class.csv", per_class)
-    write_confusion_csv(EVAL_DIR / "confusion.csv", test.y, pred, classes)
-    plot_confusion(EVAL_DIR / "confusion.png", test.y, pred, classes)
-    plot_misclassified(EVAL_DIR / "misclassified.png", test.x, test.y, pred, classes,
-                       params.eval.misclassified_max)
+    # All or none: a failed write must not leave new figures beside the previous metrics.
+    atomic_write_all({name: text_writer(content) for name, content in {
+        EVAL_DIR / "metrics.json": json_text(metrics),
+        EVAL_DIR / "per_class.csv": per_class_csv(per_class),
+        EVAL_DIR / "confusion.csv": confusion_csv(test.y, pred, classes),
+        EVAL_DIR / "confusion.png": confusion_png(test.y, pred, classes),
+        EVAL_DIR / "misclassified.png": misclassified_png(test.x, test.y, pred, classes,
+                                                          params.eval.misclassified_max),
+    }.items()})
 
     # Per-class figures are one table (per_class.csv, shown as a table in the UI), not
     # metrics: 30 charts of them would bury the curves.

@@ -41,7 +41,7 @@ def write_error(e: BaseException, path: Path, scratch: bool = False) -> OSError 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so rename is atomic)."""
     path = Path(path)
-    os.replace(_write_temp(path, write), path)
+    _replace_all([(_write_temp(path, write), path)])
     return path
 
 
@@ -56,8 +56,41 @@ def atomic_write_all(writes: dict[Path, Callable[[Path], Any]]) -> None:
         for tmp, _ in done:
             tmp.unlink(missing_ok=True)
         raise
-    for tmp, path in done:
-        os.replace(tmp, path)
+    _replace_all(done)
+
+
+def _replace_all(done: list[tuple[Path, Path]]) -> None:
+    """Rename each temp file over its path. A rename fails too where the previous file is
+    immutable or append-only (EPERM): the files renamed before it are put back from hard links
+    of their previous versions, so a set stays the previous set, and no temp file is left."""
+    kept: dict[Path, Path] = {}  # path -> its previous version under a second name
+    renamed: list[Path] = []
+    path = done[0][1]
+    try:
+        for _, path in done if len(done) > 1 else ():
+            if path.exists():
+                backup = path.with_name(f".{path.stem}.{os.urandom(4).hex()}.prev{path.suffix}")
+                try:
+                    os.link(path, backup)
+                    kept[path] = backup
+                except OSError:  # no hard links here, or the file is immutable: its rename says
+                    pass
+        for tmp, path in done:
+            os.replace(tmp, path)
+            renamed.append(path)
+    except BaseException as e:
+        for p in renamed:
+            if p in kept:
+                os.replace(kept.pop(p), p)
+        for tmp, _ in done:
+            tmp.unlink(missing_ok=True)
+        for backup in kept.values():
+            backup.unlink(missing_ok=True)
+        if (error := write_error(e, path)) is not None:
+            raise error from e
+        raise
+    for backup in kept.values():
+        backup.unlink(missing_ok=True)
 
 
 def _write_temp(path: Path, write: Callable[[Path], Any]) -> Path:
@@ -109,11 +142,21 @@ def digest_path(path: str | Path) -> Path:
 
 
 def save_torch_verified(path: str | Path, obj: Any) -> Path:
-    """save_torch, then its SHA-256 beside it. The checksum is written last: a file without one
-    was never finished."""
-    save_torch(path, obj)
-    write_text(digest_path(path), file_hash(path) + "\n")
+    """save_torch, then its SHA-256 beside it, as a pair (see `verified_writes`)."""
+    atomic_write_all(verified_writes(path, obj))
     return Path(path)
+
+
+def verified_writes(path: str | Path, obj: Any) -> dict[Path, Callable[[Path], Any]]:
+    """For atomic_write_all: the torch file and its SHA-256, renamed last (a file without one
+    was never finished); a failed checksum write keeps the previous file too."""
+    digest = {}
+
+    def write(p: Path) -> None:
+        torch_writer(obj)(p)
+        digest["sha256"] = file_hash(p)
+
+    return {Path(path): write, digest_path(path): lambda p: p.write_text(digest["sha256"] + "\n")}
 
 
 def verify_digest(path: str | Path) -> None:
@@ -125,28 +168,46 @@ def verify_digest(path: str | Path) -> None:
         raise ValueError(f"checksum mismatch with {digest} (truncated or corrupted)")
 
 
+def json_text(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=str) + "\n"
+
+
 def write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=2, default=str) + "\n"))
+    return atomic_write(path, lambda p: p.write_text(json_text(obj)))
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    return atomic_write(path, lambda p: p.write_text(text))
+    return atomic_write(path, text_writer(text))
 
 
-def write_csv(path: str | Path, header: list[str], rows: Iterable[Sequence]) -> Path:
+def text_writer(text: str | bytes) -> Callable[[Path], Any]:
+    """The write of write_text (or of bytes), for atomic_write_all."""
+    return lambda p: p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
+
+
+def csv_text(header: list[str], rows: Iterable[Sequence]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
     w.writerows(rows)
-    return write_text(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def write_csv(path: str | Path, header: list[str], rows: Iterable[Sequence]) -> Path:
+    return write_text(path, csv_text(header, rows))
 
 
 def save_torch(path: str | Path, obj: Any) -> Path:
     """torch.save, atomically. Through a file object: given a path, torch names the archive's
     inner folder after the (random) temp file, and identical data would hash differently."""
+    return atomic_write(path, torch_writer(obj))
+
+
+def torch_writer(obj: Any) -> Callable[[Path], None]:
+    """The write of save_torch, for atomic_write_all."""
 
     def write(p: Path) -> None:
         with open(p, "wb") as f:
             torch.save(obj, f)
 
-    return atomic_write(path, write)
+    return write

@@ -40,7 +40,7 @@ def check_tree(root: Path) -> None:
     what DVC would not see. DVC (3.67) fails on a name that is not UTF-8 without naming it, and
     skips every symlinked folder (it follows symlinked files): images in one would never rerun
     prepare when they change. Hidden folders prepare skips as well."""
-    not_utf8, linked = [], []
+    not_utf8, linked, dangling = [], [], []
     for folder, dirs, files in os.walk(root):
         for name in dirs + files:
             path = os.path.join(folder, name)
@@ -50,12 +50,19 @@ def check_tree(root: Path) -> None:
                 not_utf8.append(path)
             if name in dirs and os.path.islink(path) and not is_hidden(Path(path), root):
                 linked.append(path)
+            elif os.path.islink(path) and not os.path.exists(path):  # DVC fails hashing it
+                dangling.append(path)
     if not_utf8:
         more = f" and {len(not_utf8) - 5} more" if len(not_utf8) > 5 else ""
         raise DataError(f"{', '.join(map(shown, not_utf8[:5]))}{more}: names that are not UTF-8, "
                         "which DVC cannot hash (`dvc add` and `dvc repro` fail with \"'utf-8' "
                         "codec can't encode character\", naming no file); rename them to UTF-8, "
                         f"e.g. `convmv -r -f latin1 -t utf-8 --notest {root}` if they are Latin-1")
+    if dangling:
+        more = f" (and {len(dangling) - 1} more)" if len(dangling) > 1 else ""
+        raise DataError(f"{shown(dangling[0])} is a symlink to {shown(os.readlink(dangling[0]))}, "
+                        f"which does not exist{more}: DVC fails hashing {root} on it; restore "
+                        "its target or remove the link")
     if linked:
         more = f" (and {len(linked) - 1} more)" if len(linked) > 1 else ""
         raise DataError(f"{shown(linked[0])} is a symlink to a folder (to {shown(os.readlink(linked[0]))})"

@@ -1,5 +1,5 @@
-"""models/train/model.pt, the trained model: train writes it; evaluate, export and bench_serve
-read it. Its format is `TrainedModel`, here and nowhere else.
+"""models/train/model.pt, the trained model: train writes it; evaluate, export, predict and
+bench_serve read it. Its format is `TrainedModel`, here and nowhere else.
 
 The file describes itself: the weights of the uncompiled module, plus all it takes to rebuild
 and feed the model. Nothing run-specific (run id, timings): the same params, seed and machine
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from stages.cli import UserError
 from stages.config import ModelConfig
-from stages.files import save_torch_verified, verify_digest
+from stages.files import verified_writes, verify_digest
 from stages.models import fill, skeleton
 
 
@@ -44,13 +46,14 @@ class TrainedModel:
         return self.model_params["arch"]
 
 
-def save(path: Path, model: nn.Module, model_cfg: ModelConfig, meta: dict,
-         best_epoch: int) -> None:
-    """`meta`: the prepared data's meta.json (classes, normalization, image geometry)."""
+def writes(path: Path, model: nn.Module, model_cfg: ModelConfig, meta: dict,
+           best_epoch: int) -> dict[Path, Callable[[Path], Any]]:
+    """model.pt and its checksum, for files.atomic_write_all with the results that go with them.
+    `meta`: the prepared data's meta.json (classes, normalization, image geometry)."""
     trained = TrainedModel(model.state_dict(), dataclasses.asdict(model_cfg), meta["classes"],
                            meta["mean"], meta["std"], meta["channels"], meta["image_size"],
                            meta["resize"], best_epoch)
-    save_torch_verified(path, _to_file(trained))
+    return verified_writes(path, _to_file(trained))
 
 
 def load(path: Path) -> tuple[nn.Module, TrainedModel]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from stages.cli import ArgumentParser, run_stage
 from stages.config import PREPARED, load_params
 from stages.data import save_prepared
-from stages.files import write_csv
+from stages.files import csv_text
 from stages.sources import SOURCES, build_meta, list_folder
 
 
@@ -38,10 +38,10 @@ def main() -> None:
         meta = build_meta(loaded.splits, loaded.classes, cfg)
         meta["rejected"] = len(loaded.rejected)
         meta["duplicates_across_splits"] = len(loaded.leaks)
-        save_prepared(PREPARED, loaded.splits, meta)
-        write_csv(PREPARED / "rejected.csv", ["path", "reason"], loaded.rejected)
-        write_csv(PREPARED / "leakage.csv", ["sha256", "split", "path"],
-                  [(d, s, p) for d, v in loaded.leaks.items() for s, p in v])
+        save_prepared(PREPARED, loaded.splits, meta, {
+            "rejected.csv": csv_text(["path", "reason"], loaded.rejected),
+            "leakage.csv": csv_text(["sha256", "split", "path"],
+                                    [(d, s, p) for d, v in loaded.leaks.items() for s, p in v])})
     finally:  # also on a failure: the folder source's memory-mapped decode files can be large
         for scratch in PREPARED.glob(".*.npy"):
             scratch.unlink()

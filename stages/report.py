@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stages.files import atomic_write, write_csv
+from stages.files import csv_text
 
 
 def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tuple[dict, dict]:
@@ -49,17 +49,17 @@ def present_labels(true: np.ndarray, classes: list[str]) -> list[int]:
     return present
 
 
-def write_per_class_csv(path: Path, per_class: dict[str, dict]) -> None:
+def per_class_csv(per_class: dict[str, dict]) -> str:
     """One row per class: a table in `git diff`, in DVC and in the MLflow UI's artifact view."""
-    write_csv(path, ["class", "precision", "recall", "f1", "support"],
-              ([c, *(round(d[k], 6) for k in ("precision", "recall", "f1")), d["support"]]
-               for c, d in per_class.items()))
+    return csv_text(["class", "precision", "recall", "f1", "support"],
+                    ([c, *(round(d[k], 6) for k in ("precision", "recall", "f1")), d["support"]]
+                     for c, d in per_class.items()))
 
 
-def write_confusion_csv(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
+def confusion_csv(y: Tensor, pred: Tensor, classes: list[str]) -> str:
     """One row per test sample (actual, predicted), the shape DVC's confusion template reads."""
-    write_csv(path, ["actual", "predicted"],
-              ((classes[a], classes[b]) for a, b in zip(y.tolist(), pred.tolist(), strict=True)))
+    return csv_text(["actual", "predicted"], ((classes[a], classes[b]) for a, b in
+                                              zip(y.tolist(), pred.tolist(), strict=True)))
 
 
 def _pyplot():
@@ -74,14 +74,16 @@ def _pyplot():
     return plt
 
 
-def _save_figure(fig, path: Path) -> None:
+def _png(fig) -> bytes:
     import matplotlib.pyplot as plt
 
-    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100, bbox_inches="tight"))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
+    return buf.getvalue()
 
 
-def plot_confusion(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> None:
+def confusion_png(y: Tensor, pred: Tensor, classes: list[str]) -> bytes:
     plt = _pyplot()
 
     k = len(classes)
@@ -96,11 +98,11 @@ def plot_confusion(path: Path, y: Tensor, pred: Tensor, classes: list[str]) -> N
                         color="white" if m[i, j] > m.max() / 2 else "black")
     ax.set(xticks=range(k), yticks=range(k), xticklabels=classes, yticklabels=classes,
            xlabel="predicted", ylabel="actual", title=f"confusion ({int(m.trace())}/{m.sum()} right)")
-    _save_figure(fig, path)
+    return _png(fig)
 
 
-def plot_misclassified(path: Path, x: Tensor, y: Tensor, pred: Tensor, classes: list[str],
-                       limit: int) -> None:
+def misclassified_png(x: Tensor, y: Tensor, pred: Tensor, classes: list[str],
+                      limit: int) -> bytes:
     """A grid of wrongly classified test images, titled actual -> predicted."""
     plt = _pyplot()
 
@@ -116,4 +118,4 @@ def plot_misclassified(path: Path, x: Tensor, y: Tensor, pred: Tensor, classes: 
         ax.set_title(f"{classes[y[i]]} -> {classes[pred[i]]}", fontsize=8)
     if not wrong:
         axes.flat[0].text(0.5, 0.5, "no misclassified images", ha="center", va="center")
-    _save_figure(fig, path)
+    return _png(fig)

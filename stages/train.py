@@ -35,7 +35,7 @@ from stages.config import (
     repo_root,
 )
 from stages.data import load_meta, load_split
-from stages.files import write_csv, write_json
+from stages.files import atomic_write_all, csv_text, json_text, text_writer
 from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params
@@ -133,15 +133,17 @@ def run_tags(key: str, meta: dict, world: int) -> dict:
 
 def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking.Tracker) -> None:
     """models/train/, and the same figures and files to the run."""
-    model_file.save(TRAIN_DIR / "model.pt", result.model, params.model, meta, result.best_epoch)
     # What is worth comparing between experiments; timings and ids go to MLflow only.
     metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
                "best_epoch": result.best_epoch, "epochs_run": result.epochs_run,
                "num_params": count_params(result.model)}
-    write_json(TRAIN_DIR / "metrics.json", metrics)
-    write_csv(TRAIN_DIR / "history.csv", HISTORY,
-              ([round(r[k], 6) if isinstance(r[k], float) else r[k] for k in HISTORY]
-               for r in result.history))
+    history = csv_text(HISTORY, ([round(r[k], 6) if isinstance(r[k], float) else r[k]
+                                  for k in HISTORY] for r in result.history))
+    # All or none: a failed write must not leave a new model beside the previous metrics.
+    atomic_write_all(model_file.writes(TRAIN_DIR / "model.pt", result.model, params.model, meta,
+                                       result.best_epoch)
+                     | {TRAIN_DIR / "metrics.json": text_writer(json_text(metrics)),
+                        TRAIN_DIR / "history.csv": text_writer(history)})
     STAGE_TIMES["loop_s"] = result.loop_s
     run.set_tags({"device": result.device, "precision": result.precision,
                   "loader": result.loader})

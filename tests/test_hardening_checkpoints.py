@@ -109,6 +109,14 @@ def test_a_checkpoint_folder_that_holds_or_is_owned_by_the_repo_is_refused(old_c
     assert why in str(err.value) and "such as .checkpoints" in str(err.value)
 
 
+def test_a_checkpoint_folder_reached_through_a_symlink_is_judged_by_its_target(old_clone, tmp_path):
+    (tmp_path / "link").symlink_to(old_clone)
+    with pytest.raises(ParamsError, match=f"resolves to {old_clone}, which is or contains"):
+        check_checkpoint_root(tmp_path / "link", old_clone, "data/raw")
+    with pytest.raises(ParamsError, match="inside a folder git or DVC owns"):
+        check_checkpoint_root(tmp_path / "link/.dvc/x", old_clone, "data/raw")
+
+
 def test_another_repository_as_checkpoint_folder_is_refused(old_clone, tmp_path):
     (tmp_path / "other" / ".git").mkdir(parents=True)
     with pytest.raises(ParamsError, match="is another repository"):

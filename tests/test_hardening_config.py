@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -56,6 +57,25 @@ def test_a_billion_laughs_params_yaml_fails_every_stage_within_seconds(tmp_path)
         assert "YAML aliases" in err
 
 
+@pytest.mark.parametrize("target", ["repro", "verify"])
+def test_make_refuses_a_billion_laughs_before_dvc_expands_it(tmp_path, target):
+    """DVC reads params.yaml whole before any stage runs and expands every alias (gigabytes,
+    minutes): `make repro` and `make verify` check it first. The timeout fails the test where
+    DVC gets the file."""
+    for name in ("Makefile", "requirements.lock", "dvc.yaml"):
+        shutil.copy2(ROOT / name, tmp_path / name)  # copy2: the venv's stamp stays the newer
+    run(["dvc", "init", "-q", "--no-scm"], tmp_path)
+    workspace(tmp_path, LAUGHS + (ROOT / "params.yaml").read_text())
+    t = time.perf_counter()
+    # timeout kills make's whole process group: a DVC that got the file would spin on.
+    p = run(["timeout", "-s", "KILL", "30", "make", "-s", target, f"VENV={sys.prefix}"], tmp_path,
+            check=False, env=env_with(PYTHONPATH=str(ROOT)))
+    words = [line for line in p.stderr.splitlines() if not line.startswith("make:")]
+    assert p.returncode != 0 and words, p.stderr
+    assert words[0].startswith("error: params.yaml: expands to over"), p.stderr
+    assert len(words) == 1 and time.perf_counter() - t < 30
+
+
 @pytest.mark.parametrize("text, expected", [
     ("seed: &s [*s]\n", "an alias inside itself"),  # a recursive alias
     ("seed: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested too deeply"),
@@ -93,6 +113,7 @@ def test_an_environment_variable_never_reaches_mlflow(tmp_path):
     ("root: data/raw", "root: '\\${escaped}'", "data.root="),
     ("  - 7\n", "  - ${oc.env:B,7}\n", "export.check_batch_sizes[1]='${oc.env:B,7}'"),
     ("experiment: reprotrain", "experiment: '???'", "mlflow.experiment='???'"),  # "the default"
+    ("width: 32", "width: ${oc.env:W", "model.width='${oc.env:W'"),  # unclosed: OmegaConf can't parse
 ])
 def test_every_omegaconf_expression_is_refused_naming_the_key(tmp_path, line, edited, expected):
     text = (ROOT / "params.yaml").read_text()

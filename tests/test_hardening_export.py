@@ -189,6 +189,36 @@ def test_export_into_a_forbidden_folder_is_one_line_and_keeps_the_export(
     assert "writable for this user" in line
 
 
+@pytest.mark.parametrize("locked", ["model.onnx", "model.pt2", "model.json"])
+def test_export_over_an_immutable_file_keeps_the_whole_previous_export(
+        exported_ws, tmp_path, mlflow_uri, locked):
+    """The rename fails, not the write: the files renamed before it are put back (another
+    opset, so each new file differs), and no temp file is left."""
+    w = copy_of(exported_ws, tmp_path / "w", **{"export.opset": "20"})
+    before = snapshot(w / "models/export")
+    with immutable(w / "models/export" / locked):
+        line = failed_keeping(stage(w, "export", mlflow_uri), w / "models/export", before)
+    assert "operation not permitted" in line and f"models/export/{locked}" in line
+
+
+@pytest.mark.parametrize(("name", "locked"), [("train", "metrics.json"), ("train", "history.csv"),
+                                             ("evaluate", "metrics.json"),
+                                             ("evaluate", "misclassified.png")])
+def test_a_stage_over_an_immutable_output_keeps_all_its_previous_outputs(
+        exported_ws, tmp_path, mlflow_uri, name, locked):
+    """train's model.pt, checksum, metrics.json and history.csv are one set, as are evaluate's
+    five outputs: a new model never sits beside the previous run's metrics."""
+    w = copy_of(exported_ws, tmp_path / "w", **({"lr": "0.01"} if name == "train" else {}))
+    out = w / "models" / ("train" if name == "train" else "eval")
+    if name == "evaluate":  # the same model evaluates to the same bytes: make any new file show
+        for f in out.iterdir():
+            f.write_bytes(b"previous " + f.name.encode())
+    before = snapshot(out)
+    with immutable(out / locked):
+        line = failed_keeping(stage(w, name, mlflow_uri), out, before)
+    assert "operation not permitted" in line and f"{out.relative_to(w)}/{locked}" in line
+
+
 # ------------------------------------------------------------ 2: prepare (folder source), any write
 
 
@@ -234,6 +264,17 @@ def test_prepare_past_the_file_size_limit_is_one_line_and_keeps_the_data(folder_
     assert "file size limit reached" in line and "data/prepared/.train.npy" in line
 
 
+@pytest.mark.parametrize("locked", ["meta.json", "rejected.csv", "val.pt"])
+def test_prepare_over_an_immutable_file_keeps_the_previous_data(folder_ws, mlflow_uri, locked):
+    """New splits never sit beside the previous meta.json: all of data/prepared or none."""
+    stage(folder_ws, "prepare", mlflow_uri, check=True)
+    before = snapshot(folder_ws / "data")
+    set_params(folder_ws / "params.yaml", {"seed": "7"})  # another split: every file differs
+    with immutable(folder_ws / "data/prepared" / locked):
+        line = failed_keeping(stage(folder_ws, "prepare", mlflow_uri), folder_ws / "data", before)
+    assert "operation not permitted" in line and f"data/prepared/{locked}" in line
+
+
 @pytest.mark.parametrize("fault", ["read-only disk", "full disk"])
 def test_a_torch_save_that_fails_is_one_oserror_and_keeps_the_file(tmp_path, fault):
     """torch.save turns a full disk into its zip writer's RuntimeError; checkpoints and the
@@ -254,3 +295,19 @@ def test_a_torch_save_that_fails_is_one_oserror_and_keeps_the_file(tmp_path, fau
         assert {p.name for p in disk.iterdir()} - {"filler"} == {"model.pt"}  # no temp file
     assert str(disk / "model.pt") in err.value.strerror and "the previous model.pt" in err.value.strerror
     assert err.value.errno == (errno.EROFS if fault == "read-only disk" else errno.ENOSPC)
+
+
+def test_a_model_and_its_checksum_are_replaced_together_or_not_at_all(tmp_path):
+    """train's model.pt and model.sha256: a checksum that cannot be written (here immutable: the
+    rename fails) must not leave the new model beside the previous checksum."""
+    import torch
+
+    from stages import files
+
+    model = files.save_torch_verified(tmp_path / "model.pt", {"x": torch.zeros(10)})
+    before = snapshot(tmp_path)
+    with immutable(tmp_path / "model.sha256"), pytest.raises(OSError) as err:
+        files.save_torch_verified(model, {"x": torch.ones(10)})
+    assert snapshot(tmp_path) == before  # both previous files, no temp or backup left
+    files.verify_digest(model)
+    assert err.value.errno == errno.EPERM and str(tmp_path / "model.sha256") in err.value.strerror

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from stages.images import DataError
-from stages.report import plot_confusion, plot_misclassified, write_confusion_csv, write_per_class_csv
+from stages.report import confusion_csv, confusion_png, misclassified_png, per_class_csv
 from stages.sources import list_folder
 from tests.conftest import ROOT, copy_params, copy_repo, env_with, rendered_dom, run, set_params
 from tests.images import make_folder
@@ -90,6 +90,23 @@ def test_symlinked_folders_are_refused_exactly_where_dvc_does_not_hash(tmp_path)
     classes, files = list_folder(raw)
     assert len(files[None]) == hashed_files(repo, "data/raw") == 13
     assert raw / "circle/linked.png" in [f for f, _ in files[None]]
+
+
+@pytest.mark.parametrize("link", ["circle/gone.png", "square/.hidden", "triangle/loop"])
+def test_a_broken_symlink_dvc_fails_on_is_refused_naming_it(tmp_path, link):
+    """prepare would skip it, but DVC fails hashing data.root on it ('unexpected error')."""
+    repo = dvc_repo(tmp_path / "repo", "data/raw")
+    raw = repo / "data/raw"
+    make_folder(raw, per_class=4, bad=False)
+    target = "loop" if link.endswith("loop") else str(tmp_path / "moved.png")  # loop: to itself
+    (raw / link).symlink_to(target)
+    dvc = run(["dvc", "status"], repo, check=False)
+    assert dvc.returncode != 0 and "unexpected error" in dvc.stderr, dvc.stderr
+    p = prepare(repo, **{"data.root": "data/raw"})
+    assert p.returncode == 1
+    line = one_error_line(p.stderr)
+    assert f"'data/raw/{link}' is a symlink to" in line and "which does not exist" in line, line
+    assert not (repo / "data/prepared").exists()
 
 
 # ------------------------------------------------------------------ names that are not UTF-8
@@ -186,13 +203,13 @@ def test_markup_class_names_are_text_in_the_pictures_and_the_tables(tmp_path):
 
     y, pred, logits = predictions(len(MARKUP))
     x = torch.randint(0, 256, (len(y), 1, 8, 8), dtype=torch.uint8)
-    plot_confusion(tmp_path / "confusion.png", y, pred, MARKUP)
-    plot_misclassified(tmp_path / "misclassified.png", x, y, pred, MARKUP, 36)
+    (tmp_path / "confusion.png").write_bytes(confusion_png(y, pred, MARKUP))
+    (tmp_path / "misclassified.png").write_bytes(misclassified_png(x, y, pred, MARKUP, 36))
     for name in ("confusion.png", "misclassified.png"):
         Image.open(tmp_path / name).verify()
     _, per_class = classification_metrics(logits, y, MARKUP)
-    write_per_class_csv(tmp_path / "per_class.csv", per_class)
-    write_confusion_csv(tmp_path / "confusion.csv", y, pred, MARKUP)
+    (tmp_path / "per_class.csv").write_text(per_class_csv(per_class))
+    (tmp_path / "confusion.csv").write_text(confusion_csv(y, pred, MARKUP))
     with open(tmp_path / "per_class.csv", newline="") as f:
         assert [r["class"] for r in csv.DictReader(f)] == MARKUP
     with open(tmp_path / "confusion.csv", newline="") as f:
@@ -204,8 +221,9 @@ def test_the_plots_page_keeps_every_chart_whatever_the_class_names(tmp_path):
     from stages.report import classification_metrics
 
     y, pred, logits = predictions(len(MARKUP))
-    write_per_class_csv(repo / "models/eval/per_class.csv", classification_metrics(logits, y, MARKUP)[1])
-    write_confusion_csv(repo / "models/eval/confusion.csv", y, pred, MARKUP)
+    (repo / "models/eval/per_class.csv").write_text(
+        per_class_csv(classification_metrics(logits, y, MARKUP)[1]))
+    (repo / "models/eval/confusion.csv").write_text(confusion_csv(y, pred, MARKUP))
     run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env=env_with())
     dom = rendered_dom(tmp_path / "plots/index.html", tmp_path)
     # All five charts drawn (loss, accuracy, lr, confusion, F1 per class), the images shown, and

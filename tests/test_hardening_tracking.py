@@ -18,7 +18,7 @@ import pytest
 
 from stages import tracking
 from stages.config import MlflowConfig, Params, flatten
-from tests.conftest import ROOT, VENV_BIN, env_with, run
+from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run
 
 # ------------------------------------------------------------ 1, 2: a run that recovers
 
@@ -153,6 +153,7 @@ def dvc_repo(tmp_path_factory) -> Path:
         (repo / name).parent.mkdir(exist_ok=True)
         shutil.copy2(ROOT / name, repo / name)  # copy2: the venv's stamp stays newer than the lock
     shutil.copytree(ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_params(repo)  # make repro and make verify check it before DVC reads it
     (repo / "dvc.yaml").write_text(THREADS_STAGE)
     run(["git", "init", "-q", "-b", "main"], repo)
     run(["dvc", "init", "-q", "--force"], repo)
