@@ -130,6 +130,9 @@ def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_pa
             self.f.flush()
 
     monkeypatch.setattr(files.torch, "save", lambda obj, f: real_save(obj, SlowDisk(f)))
+    # Python's own Ctrl-C handler, also where the suite was started in the background
+    # (`make test &`), which leaves SIGINT ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     # Interrupted mid-record, torch.save's zip writer fails with an inline_container.cc
@@ -139,4 +142,5 @@ def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_pa
             files.save_torch(path, big)
     finally:
         timer.join()  # never a stray Ctrl-C for the next test
+        signal.signal(signal.SIGINT, previous)
     assert path.read_bytes() == b"previous" and not list(tmp_path.glob(".*tmp*"))

@@ -87,9 +87,12 @@ def server(champion):
     group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server."""
     w, env = champion
     port = free_port()
+    # SIGINT as a terminal leaves it: a suite started in the background (`make test &`)
+    # inherits it ignored, and the server would never see the Ctrl-C under test.
     proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--port", str(port)], cwd=w,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:  # stopped, pass or fail
         lines = []
         for line in proc.stdout:  # the curl line comes once the server answers
