@@ -17,7 +17,7 @@ from torch import Tensor
 
 from stages.cli import UserError
 from stages.config import repo_root
-from stages.files import atomic_write_all, json_text, torch_writer
+from stages.files import atomic_write_all, json_text, text_writer, torch_writer
 
 SPLITS = ("train", "val", "test")
 
@@ -34,9 +34,9 @@ def save_prepared(out: Path, splits: dict[str, Split], meta: dict,
     must not leave new splits beside the previous meta.json."""
     writes: dict[Path, Callable[[Path], Any]] = {
         out / f"{name}.pt": torch_writer({"x": s.x, "y": s.y}) for name, s in splits.items()}
-    writes[out / "meta.json"] = lambda p: p.write_text(json_text(meta))
+    writes[out / "meta.json"] = text_writer(json_text(meta))
     for name, text in (texts or {}).items():
-        writes[out / name] = lambda p, text=text: p.write_text(text)
+        writes[out / name] = text_writer(text)
     atomic_write_all(writes)
 
 

@@ -26,7 +26,7 @@ from stages.config import (
     load_params,
 )
 from stages.data import load_meta, load_split, normalize
-from stages.files import atomic_write, atomic_write_all
+from stages.files import atomic_write, atomic_write_all, text_writer
 from stages.serving import model_kwargs, png_base64, quiet_type_hints
 
 
@@ -122,16 +122,12 @@ def main() -> None:
     checks |= check_close("pt2", lambda x: program(x).detach().numpy(), model, images,
                           cfg.check_batch_sizes, cfg.atol)
 
-    description = json.dumps({
-        "arch": trained.arch, "model_params": trained.model_params,
-        "classes": trained.classes, "mean": trained.mean, "std": trained.std,
-        "input_shape": [trained.channels, trained.image_size, trained.image_size],
-        "resize": trained.resize,
+    description = json.dumps(trained.spec() | {
         "input": "float32 NCHW, pixels scaled to [0, 1], then (x - mean) / std per channel",
         "input_name": "image", "output_name": "logits", "onnx_opset": cfg.opset,
         "files": ["model.onnx", "model.pt2", "model.safetensors"], "checks": checks,
     }, indent=2) + "\n"
-    atomic_write_all({EXPORT_DIR / name: lambda p, data=data: p.write_bytes(data) for name, data in
+    atomic_write_all({EXPORT_DIR / name: text_writer(data) for name, data in
                       [("model.onnx", onnx_model), ("model.pt2", pt2),
                        ("model.safetensors", weights), ("model.json", description.encode())]})
 

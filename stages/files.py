@@ -173,7 +173,7 @@ def json_text(obj: Any) -> str:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write(path, lambda p: p.write_text(json_text(obj)))
+    return atomic_write(path, text_writer(json_text(obj)))
 
 
 def write_text(path: str | Path, text: str) -> Path:

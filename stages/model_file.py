@@ -45,6 +45,13 @@ class TrainedModel:
     def arch(self) -> str:
         return self.model_params["arch"]
 
+    def spec(self) -> dict:
+        """What a runner needs to feed the model, as export's model.json states it."""
+        return {"arch": self.arch, "model_params": self.model_params, "classes": self.classes,
+                "mean": self.mean, "std": self.std,
+                "input_shape": [self.channels, self.image_size, self.image_size],
+                "resize": self.resize}
+
 
 def writes(path: Path, model: nn.Module, model_cfg: ModelConfig, meta: dict,
            best_epoch: int) -> dict[Path, Callable[[Path], Any]]:

@@ -181,10 +181,7 @@ def trained_runner(model: Path):
     from stages import model_file
 
     net, trained = model_file.load(model)
-    spec = {"classes": trained.classes, "mean": trained.mean, "std": trained.std,
-            "input_shape": [trained.channels, trained.image_size, trained.image_size],
-            "resize": trained.resize}
-    return spec, torch_runner(net)
+    return trained.spec(), torch_runner(net)
 
 
 def torch_runner(net):
