@@ -32,6 +32,17 @@ def digits_data() -> tuple[dict[str, Split], dict]:
     return splits, build_meta(splits, classes, cfg)
 
 
+@pytest.fixture(autouse=True)
+def _keep_mlflow_tracking_uri():
+    """MLflow's tracking URI is process-global: a test that points it at another store (a
+    read-only copy, another workspace's) left the next test of its worker reading there, which
+    then missed what it had just registered."""
+    before = sys.modules["mlflow"].get_tracking_uri() if "mlflow" in sys.modules else None
+    yield
+    if before is not None:
+        sys.modules["mlflow"].set_tracking_uri(before)
+
+
 @pytest.fixture(scope="session")
 def digits() -> tuple[dict[str, Split], dict]:
     return digits_data()
