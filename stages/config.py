@@ -300,17 +300,14 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         return check_params(raw, path)
     except ParamsError as e:
         # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
-        # every later `dvc repro` would fail on it too. Plain `git checkout params.yaml` can
-        # restore nothing: DVC may leave git's index holding the new file's size and times with
-        # the old content, so git sees the file unchanged. Dropping the entry first makes git
-        # write the committed file whatever the index says.
+        # every later `dvc repro` would fail on it too. (Git sees the change: stages.cli
+        # re-stats what DVC's stash left with stale times in git's index.)
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
             # "did you mean 'lr'?" already ends a sentence.
             end = " " if str(e).endswith("?") else ". "
             raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: run "
-                              f"`git rm -q --cached {path} && git checkout HEAD -- {path}` to restore "
-                              "the committed values, then `dvc repro` the outputs DVC removed (from "
-                              "its run-cache)") from None
+                              f"`git checkout -- {path}` to restore the committed values, then "
+                              "`dvc repro` the outputs DVC removed (from its run-cache)") from None
         raise
 
 

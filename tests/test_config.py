@@ -91,7 +91,7 @@ def test_a_workspace_exp_run_says_how_to_undo_what_it_wrote(tmp_path, monkeypatc
         load_params("params.yaml")
     assert expected in str(err.value)
     assert "?." not in str(err.value)
-    assert "git rm -q --cached params.yaml && git checkout HEAD -- params.yaml" in str(err.value)
+    assert "`git checkout -- params.yaml`" in str(err.value)
 
 
 def test_missing_file_says_where_to_run(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -44,6 +45,11 @@ def mlflow_runs(path):
     client = mlflow.MlflowClient(f"sqlite:///{path / 'mlflow.db'}")
     exp = client.get_experiment_by_name("reprotrain")
     return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def committed_in(path, name: str) -> bytes:
+    return subprocess.run(["git", "show", f"HEAD:{name}"], cwd=path, capture_output=True,
+                          check=True).stdout
 
 
 def exps_table(path) -> list[str]:
@@ -185,7 +191,7 @@ def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
     p = run(["dvc", "exp", "run", "-S", "lr='1e-3'"], repo, env=env_with(), check=False)
     assert p.returncode != 0
     assert "lr='1e-3'" in p.stderr, p.stderr
-    restore = re.search(r"run `(git rm [^`]+)` to restore", p.stderr)[1]
+    restore = re.search(r"run `(git checkout [^`]+)` to restore", p.stderr)[1]
     run(["bash", "-c", restore], repo)  # exactly as the message says
     assert (repo / "params.yaml").read_bytes() == run(["git", "show", "HEAD:params.yaml"],
                                                       repo).stdout.encode()
@@ -214,6 +220,32 @@ def test_a_typo_through_dvcs_own_hint_still_fails(repo):
         assert "unknown key 'lrr'; did you mean 'lr'?" in p.stdout + p.stderr, p.stderr
     finally:
         (repo / "params.yaml").write_text(before)
+
+
+def test_after_a_failed_experiment_git_status_shows_every_change_and_the_way_back_works(repo):
+    """`dvc exp run` stashes the workspace, resets it and restores it within a second; git's
+    index was left with HEAD's blobs beside the restored files' times, so a change of the same
+    size vanished from `git status`, and README's way back restored nothing (issue 31). Here:
+    an edit to a tracked file and the workspace's results, through a refused experiment and a
+    failed one."""
+    readme = repo / "README.md"
+    edited = readme.read_bytes().replace(b"reprotrain", b"reprotrail", 1)  # the same size
+    readme.write_bytes(edited)
+    for bad in ("+lrr=0.05", "lr=1000000"):  # refused by the params stage; diverges in train
+        p = run(["dvc", "exp", "run", "-S", bad], repo, env=env_with(), check=False)
+        assert p.returncode != 0 and "Ran experiment" not in p.stdout, p.stdout + p.stderr
+        assert readme.read_bytes() == edited  # the user's edit survives the experiment
+        listed = run(["git", "status", "--porcelain", "--untracked-files=no"], repo).stdout
+        shown = {line[3:] for line in listed.splitlines()}
+        tracked = run(["git", "ls-files"], repo).stdout.split()
+        changed = {f for f in tracked if (repo / f).is_file() and
+                   run(["git", "hash-object", f], repo).stdout != run(
+                       ["git", "rev-parse", f"HEAD:{f}"], repo).stdout}
+        assert "README.md" in changed and changed <= shown, (bad, changed - shown)
+    run(["git", "checkout", "--", "params.yaml", "dvc.lock", "models", "README.md"], repo)
+    assert run(["git", "status", "--porcelain", "--untracked-files=no"], repo).stdout == ""
+    assert readme.read_bytes() == committed_in(repo, "README.md")
+    run(["dvc", "repro"], repo, env=env_with())  # the rest of the way back: the models
 
 
 def test_plots_render_offline_in_a_real_browser(repo, tmp_path):
