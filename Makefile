@@ -28,13 +28,12 @@ $(STAMP): requirements.lock
 	|| echo not on PATH)); pick another: make PYTHON=python3.11" >&2; exit 1; }
 	@v=$(call version,$(PY)); printf '3.11\n%s\n' "$$v" | sort -VC \
 		|| PATH='$(USER_PATH)' $(PYTHON) -m venv --clear $(VENV)
-	@echo "installing requirements.lock into $(VENV): 6.5 GB, about 6 minutes the first time" \
-		"(torch's CUDA libraries; README: The two commands)"
-	@# One line per package as pip takes it, numbered, then pip's own summary: never silent.
+	@echo "installing requirements.lock into $(VENV): 6.5 GB, 6 to 10 minutes the first time, more" \
+		"on a busy machine (torch's CUDA libraries; README: The two commands)"
+	@# A numbered line per package as pip takes it, a line for each 30 s pip stays silent, a
+	@# count at the end (stages/pip_progress.py: standard library, runs before anything is installed).
 	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
-		| { awk -v total=$$(grep -c '^[a-zA-Z0-9].*==' requirements.lock) \
-			'/^(Collecting|Processing) / { sub(/ \(from -r .*/, ""); printf "[%d/%d] %s\n", ++n, total, $$0; fflush(); next } \
-			/^(Installing|Successfully|ERROR)/ { print; fflush() }' || true; }
+		| $(PY) -m stages.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
