@@ -15,7 +15,15 @@ from PIL import Image, ImageOps
 
 from stages.cli import UserError
 
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
+# The image files read, by extension, and the one Pillow decoder each may use. Only these decode,
+# whatever a file's name or first bytes claim: Pillow's EPS decoder runs Ghostscript on the file
+# (a served image would run it on the server), and its dozens of other decoders are code no
+# dataset needs. `Image.open` is always given `formats=DECODERS`.
+IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".webp": "WEBP",
+                 ".tif": "TIFF", ".tiff": "TIFF"}
+IMAGE_EXTS = set(IMAGE_FORMATS)
+DECODERS = sorted(set(IMAGE_FORMATS.values()))
+ACCEPTED = ", ".join(DECODERS)
 # The largest image file read: each is read whole (hashed, then decoded), in every worker at
 # once. Larger files (a 40000x40000 TIFF, a stray disk image) are rejected and listed.
 MAX_IMAGE_BYTES = 256 * 2**20
@@ -109,6 +117,23 @@ def check_size(path: str | Path) -> None:
                         "for one image file (MAX_IMAGE_BYTES in stages/images.py)")
 
 
+def open_image(source: str | Path | bytes) -> Image.Image:
+    """The image in a file or its bytes, header read, pixels not yet decoded: only the formats of
+    IMAGE_FORMATS are tried. Raises DataError with a fixed message: Pillow's own name temporary
+    files, command lines and object addresses, which a served reply must not echo."""
+    try:
+        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source,
+                          formats=DECODERS)
+    except Image.DecompressionBombError:
+        raise DataError("a decompression bomb: its header declares more pixels than Pillow "
+                        f"decodes ({2 * Image.MAX_IMAGE_PIXELS:,})") from None
+    except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # the file unreadable (permissions, I/O), not its contents: the system's words
+        raise DataError(f"not an image file of a format read here ({ACCEPTED}); convert it, "
+                        "e.g. to PNG") from None
+
+
 def decode_image(source: str | Path | bytes, channels: int, size: int,
                  resize: str) -> np.ndarray:
     """uint8 (C, size, size) from a file or its bytes. Raises DataError with the reason for an
@@ -118,13 +143,13 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
     empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
     if empty:
         raise DataError("empty file (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
-            img.load()  # decode it all now: a truncated file fails here, never padded silently
-            img = ImageOps.exif_transpose(img)
-            img = to_mode(img, "L" if channels == 1 else "RGB")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{type(e).__name__}: {e}") from None
+    with open_image(source) as opened:
+        try:
+            opened.load()  # decode it all now: a truncated file fails here, never padded silently
+            img = to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")
+        except Exception:  # noqa: BLE001 - a decoder fails with any type on a crafted file
+            raise DataError(f"a damaged or truncated {opened.format} file: its header reads but "
+                            "its pixels do not decode; save or copy it again") from None
     if resize == "center_crop":
         img = ImageOps.fit(img, (size, size), Image.Resampling.BICUBIC)
     else:

@@ -14,24 +14,25 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
-from PIL import Image
 
 from stages import predict as shared  # the functions `python -m stages.predict` runs
-from stages.images import DataError, decode_image
+from stages.images import ACCEPTED, DataError, decode_image, open_image
 
-# Bounds on one request: its images, each image's pixels (read from the header, before any
-# decoding: Pillow's own bomb limit only warns up to 179 megapixels), a batch's run time.
+# Bounds on one request: its images, each image's pixels and all its images' pixels (read from
+# the headers, before any image is decoded: Pillow's own bomb limit only warns up to 179
+# megapixels, and 64 small PNGs of 4096x4096 zeros cost 13 s to decode), a batch's run time.
+# `make serve` also bounds the request's bytes (MAX_BODY_BYTES in stages/serve.py).
 MAX_IMAGES = 1024
 MAX_PIXELS = 4096 * 4096
+MAX_REQUEST_PIXELS = 2 * MAX_PIXELS
 TIMEOUT_S = 30
-FIX = "send a list of base64-encoded image files (PNG, JPEG, BMP, WebP, TIFF) as {\"inputs\": [...]}"
+FIX = f"send a list of base64-encoded image files ({ACCEPTED}) as {{\"inputs\": [...]}}"
 
 
 class BadInput(MlflowException):
@@ -65,15 +66,19 @@ def image_bytes(item: Any, i: int) -> bytes:
         raise BadInput(f"image {i}: not base64 text ({item[:20]!r}...); {FIX}") from None
 
 
-def check_pixels(data: bytes, i: int) -> None:
+def pixels(data: bytes, i: int) -> int:
+    """An image's pixels, from its header: nothing is decoded."""
+    if not data:
+        raise BadInput(f"image {i}: not a readable image (empty: 0 bytes); {FIX}")
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             width, height = img.size
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return  # decode_image names what is wrong with it
+    except DataError as e:  # a fixed message: never a decoder's words
+        raise BadInput(f"image {i}: not a readable image ({e})") from None
     if width * height > MAX_PIXELS:
         raise BadInput(f"image {i}: {width}x{height} pixels, over the {MAX_PIXELS:,} a served "
                        "image may have (MAX_PIXELS in stages/served_model.py); resize it first")
+    return width * height
 
 
 class ImageClassifier(mlflow.pyfunc.PythonModel):
@@ -93,17 +98,23 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
             raise BadInput(f"{len(model_input)} images in one request, over {MAX_IMAGES} "
                            "(MAX_IMAGES in stages/served_model.py); send them in smaller batches")
         channels, size, _ = self.spec["input_shape"]
+        files = [image_bytes(item, i) for i, item in enumerate(model_input)]
+        total = 0
+        for i, data in enumerate(files):  # every header first: a refusal decodes nothing
+            total += pixels(data, i)
+            if total > MAX_REQUEST_PIXELS:
+                raise BadInput(f"images 0 to {i}: {total:,} pixels together, over the "
+                               f"{MAX_REQUEST_PIXELS:,} one request may have (MAX_REQUEST_PIXELS "
+                               "in stages/served_model.py); send fewer or smaller images")
         images = []
-        for i, item in enumerate(model_input):
-            data = image_bytes(item, i)
-            check_pixels(data, i)
+        for i, data in enumerate(files):
             try:
                 images.append(decode_image(data, channels, size, self.spec["resize"]))
-            except DataError as e:
-                raise BadInput(f"image {i}: not a readable image ({e}); {FIX}") from None
-            except Exception as e:  # noqa: BLE001 - a decoder's own bug on a crafted file
-                raise BadInput(f"image {i}: not a readable image ({type(e).__name__}: "
-                               f"{str(e)[:200]}); {FIX}") from None
+            except DataError as e:  # a fixed message: never a decoder's words
+                raise BadInput(f"image {i}: not a readable image ({e})") from None
+            except Exception:  # noqa: BLE001 - whatever else fails on a crafted file
+                raise BadInput(f"image {i}: not a readable image (it does not decode); "
+                               f"{FIX}") from None
         x = shared.model_input(images, self.spec)
         probs = shared.probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
                                      self.spec_path)

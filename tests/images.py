@@ -67,3 +67,19 @@ def make_folder(root: Path, per_class: int, seed: int = 0, splits: dict[str, int
         (hidden / "thumb.png").write_bytes(good)
         (target / ".hidden.png").write_bytes(good)
     return counts
+
+
+# An Encapsulated PostScript drawing: Pillow's EPS decoder hands such a file to Ghostscript.
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\n%%EndComments\n"
+       b"newpath 0 0 moveto 16 16 lineto stroke\nshowpage\n%%EOF\n")
+
+
+def fake_ghostscript(folder: Path) -> Path:
+    """A `gs` in `folder` (put it first on the PATH) that appends each command line it gets to
+    the file returned, then fails as the real one does on a file it refuses. This machine has
+    no Ghostscript: the stand-in shows whether a reader would run it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = folder / "gs-called"
+    (folder / "gs").write_text(f'#!/bin/sh\necho "$@" >> "{record}"\nexit 1\n')
+    (folder / "gs").chmod(0o755)
+    return record

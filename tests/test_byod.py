@@ -16,7 +16,7 @@ from PIL import Image
 from stages.data import load_split
 from stages.images import decode_image
 from tests.conftest import ROOT, copy_params, run, set_params
-from tests.images import CLASSES, FORMATS, draw, make_folder, save
+from tests.images import CLASSES, EPS, FORMATS, draw, fake_ghostscript, make_folder, save
 
 
 def prepare(tmp_path, check=True, env_extra=None, **params):
@@ -63,9 +63,25 @@ def test_folder_prepare_skips_and_lists_bad_files(tmp_path):
     reasons = {os.path.basename(r["path"]): r["reason"] for r in rows}
     assert set(reasons) == {"empty.png", "truncated.png", "notes.jpg"}
     assert "0 bytes" in reasons["empty.png"]
-    assert "cannot identify image file" in reasons["notes.jpg"]
+    assert "not an image file of a format read here (BMP, JPEG, PNG, TIFF, WEBP)" in \
+        reasons["notes.jpg"]
     x = load_split(tmp_path / "data/prepared", "train").x
     assert tuple(x.shape[1:]) == (3, 24, 24)
+
+
+def test_a_postscript_file_among_the_images_is_listed_and_never_runs_ghostscript(tmp_path):
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=10, bad=False)
+    (data / "circle/drawing.png").write_bytes(EPS)  # what its name says is not what it holds
+    called = fake_ghostscript(tmp_path / "bin")
+    p = prepare(tmp_path, env_extra={"PATH": f"{called.parent}{os.pathsep}{os.environ['PATH']}"},
+                **folder_params(data, **{"data.max_rejected_fraction": "0.1"}))
+    assert not called.exists(), f"prepare ran Ghostscript: {called.read_text()}"
+    assert "skipped 1 unreadable files" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    (row,) = csv.DictReader(open(tmp_path / "data/prepared/rejected.csv"))
+    assert row["path"].endswith("drawing.png")
+    assert row["reason"] == ("not an image file of a format read here (BMP, JPEG, PNG, TIFF, "
+                             "WEBP); convert it, e.g. to PNG")
 
 
 def test_given_splits_are_used_and_leakage_is_reported(tmp_path):

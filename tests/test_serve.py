@@ -1,6 +1,8 @@
 """Serving the champion: export logs and registers the served model (code, no pickle), `make
 serve`'s server answers over real HTTP as `stages.predict` does, refuses bad input with a 400
-and goes on, never runs code from the registry, and stops on Ctrl-C; its Dockerfile."""
+and goes on, never runs code from the registry, and stops on Ctrl-C; its Dockerfile. And the
+readers' bounds, in the server and in `stages.predict` on the same model: the image formats
+decoded (never Ghostscript), bodies and pixels, a stdout closed early."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from PIL import Image
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
+from tests.images import EPS, fake_ghostscript
 from tests.services import free_port
 
 pytestmark = pytest.mark.slow
@@ -82,10 +85,21 @@ def assert_same(served: list[dict], predicted: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(champion):
+def ghostscript(tmp_path_factory):
+    """The record of a stand-in `gs` that the server and predict find first on their PATH."""
+    return fake_ghostscript(tmp_path_factory.mktemp("gs"))
+
+
+def with_ghostscript(env: dict, called: Path) -> dict:
+    return dict(env, PATH=f"{called.parent}{os.pathsep}{env['PATH']}")
+
+
+@pytest.fixture(scope="module")
+def server(champion, ghostscript):
     """`python -m stages.serve` (what `make serve` runs) on a free port, in its own process
     group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server."""
     w, env = champion
+    env = with_ghostscript(env, ghostscript)
     port = free_port()
     # SIGINT as a terminal leaves it: a suite started in the background (`make test &`)
     # inherits it ignored, and the server would never see the Ctrl-C under test.
@@ -163,7 +177,11 @@ BAD = {
                      "image 1: not a readable image"),
     "truncated png": ({"inputs": [b64(SAMPLE[: len(SAMPLE) // 2])]}, "image 0: not a readable"),
     "decompression bomb": ({"inputs": [b64(bomb_png(100_000, 100_000))]},
-                           "image 0: not a readable image (DecompressionBombError"),
+                           "image 0: not a readable image (a decompression bomb"),
+    "postscript": ({"inputs": [b64(SAMPLE), b64(EPS)]},
+                   "image 1: not a readable image (not an image file of a format read here "
+                   "(BMP, JPEG, PNG, TIFF, WEBP)"),
+    "an empty file": ({"inputs": [""]}, "image 0: not a readable image (empty"),
     "huge dimensions": ({"inputs": [b64(bomb_png(5000, 5000))]}, "image 0: 5000x5000 pixels"),
     "empty list": ({"inputs": []}, "no images"),
     "thousands of images": ({"inputs": [b64(SAMPLE)] * 3000}, "3000 images in one request"),
@@ -184,8 +202,39 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_goes_on(server, case):
     if not case.startswith(("no inputs", "inputs not", "not json", "a json")):
         # What reaches the model is refused in one line; the others are MLflow's own 400s.
         assert "\n" not in answer["message"] and len(answer["message"]) < 400, answer["message"]
+        # Never a decoder's or a subprocess's words: temporary files, command lines, addresses.
+        assert not re.search(r"/tmp|tmp[a-z0-9_]{6}| at 0x|Error\b|-dSAFER", answer["message"]), \
+            answer["message"]
     status, good = post(server["base"], {"inputs": [b64(SAMPLE)]})
     assert status == 200 and len(good["predictions"]) == 1
+
+
+def test_postscript_never_runs_ghostscript_in_the_server_nor_in_predict(server, champion,
+                                                                         ghostscript, tmp_path):
+    """Pillow's EPS decoder runs `gs` on the file: a client of `make serve` would run it on
+    the server, and a PostScript file named digit.png would run it in predict."""
+    status, answer = post(server["base"], {"inputs": [b64(EPS)]})
+    assert status == 400 and "format read here" in answer["message"], answer
+    w, env = champion
+    (tmp_path / "digit.png").write_bytes(EPS)
+    p = run([sys.executable, "-m", "stages.predict", str(tmp_path / "digit.png")], w,
+            env=with_ghostscript(env, ghostscript), check=False)
+    assert not ghostscript.exists(), f"Ghostscript ran: {ghostscript.read_text()}"
+    assert p.returncode == 1 and p.stdout == "", p.stderr
+    assert p.stderr == (f"{tmp_path / 'digit.png'}\terror: not an image file of a format read "
+                        "here (BMP, JPEG, PNG, TIFF, WEBP); convert it, e.g. to PNG\n")
+
+
+def test_the_pixels_of_a_request_are_bounded_before_any_is_decoded(server):
+    """64 all-zero 4096x4096 PNGs are 1.4 MB of request and 13 s of decoding: each alone is
+    allowed, together they are refused from their headers."""
+    zeros = png(Image.new("L", (4096, 4096)))
+    start = time.monotonic()
+    status, answer = post(server["base"], {"inputs": [b64(zeros)] * 64})
+    took = time.monotonic() - start
+    assert status == 400 and "pixels together, over the 33,554,432" in answer["message"], answer
+    assert answer["message"].startswith("images 0 to 2: ")
+    assert took < 5, f"{took:.1f} s: the images were decoded"
 
 
 def test_16_bit_palette_and_cmyk_images_are_answered_as_predict_does(server, champion, tmp_path):
