@@ -5,13 +5,16 @@
     python -m stages.serve --dockerfile DIR    # `mlflow models generate-dockerfile` of it
 
 The champion (alias `champion` of registered model `export.register_as`, in the store of
-`make ui`: mlflow.db or MLFLOW_TRACKING_URI) is served by `mlflow models serve --env-manager
-local`, which answers `/ping` and `/invocations` with {"inputs": [<base64 image>, ...]}. Only
-its model.onnx and model.json come from the registry, never code (stages/serving.py).
+`make ui`: mlflow.db or MLFLOW_TRACKING_URI) is served by MLflow's scoring server, the app
+`mlflow models serve --env-manager local` runs, which answers `/ping` and `/invocations` with
+{"inputs": [<base64 image>, ...]}; here under uvicorn behind the bounds it lacks (`Bounded`).
+Only its model.onnx and model.json come from the registry, never code (stages/serving.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shlex
 import shutil
@@ -25,6 +28,14 @@ from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.serving import champion_files, registered_name, save_served
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data/samples/7.png"
+# The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
+# server reads any body whole: 200 MB cost 7 s before its 400). 1024 digits take 0.5 MB;
+# photos are resized before they are sent (MAX_PIXELS in stages/served_model.py).
+MAX_BODY_BYTES = 8 * 2**20
+# Python's JSON parser recurses once per `[` or `{` and fails near 1000 levels deep with a
+# RecursionError, a 500 from MLflow's server; a request has 2. A body with fewer brackets than
+# this is never parsed twice to find out.
+FEW_BRACKETS = 100
 
 
 def curl_line(base: str) -> str:
@@ -40,9 +51,88 @@ def server_env() -> dict[str, str]:
 
 
 def serve_command(folder: Path, port: int) -> list[str]:
-    # --env-manager local: this environment, the one requirements.lock installed.
-    return [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(folder), "--host",
-            "127.0.0.1", "--port", str(port), "--env-manager", "local"]
+    """The server process: `run_server` over `folder`, in this environment (the one
+    requirements.lock installed, as `mlflow models serve --env-manager local` would use)."""
+    return [sys.executable, "-m", "stages.serve", "--serve-folder", str(folder), "--port",
+            str(port)]
+
+
+def too_deep(body: bytes) -> bool:
+    """Whether parsing `body` as JSON ends in a RecursionError."""
+    if body.count(b"[") + body.count(b"{") < FEW_BRACKETS:
+        return False
+    try:
+        json.loads(body)
+    except RecursionError:
+        return True
+    except ValueError:  # not JSON at all: MLflow's own 400 says so
+        pass
+    return False
+
+
+async def refuse(send, status: int, code: str, message: str) -> None:
+    """An error answered as MLflow answers its own: {"error_code": ..., "message": ...}."""
+    body = json.dumps({"error_code": code, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Bounded:
+    """An ASGI app (MLflow's scoring server) behind a bound on the request's bytes, checked as
+    they arrive, and a 400 for JSON nested too deep to parse."""
+
+    def __init__(self, app, max_body: int = MAX_BODY_BYTES):
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_big = (f"a request body over {self.max_body:,} bytes, the most `make serve` reads "
+                   "(MAX_BODY_BYTES in stages/serve.py); send the images in smaller batches, "
+                   "or resize them first")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body:  # refused before any is read
+            await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
+            return
+        body, more = bytearray(), True
+        while more:  # a chunked body has no length: counted as it comes
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
+                return
+        if too_deep(body):
+            await refuse(send, 400, "INVALID_PARAMETER_VALUE",
+                         "the request's JSON is nested too deeply to parse; send "
+                         "{\"inputs\": [<base64 image file>, ...]}")
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # the disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def run_server(folder: Path, port: int) -> None:
+    """The server process serve_command starts: MLflow's scoring server over the saved model
+    `folder` (what `mlflow models serve` runs), bounded, on loopback."""
+    import uvicorn
+    from mlflow.pyfunc import load_model, scoring_server
+
+    uvicorn.run(Bounded(scoring_server.init(load_model(str(folder)))), host="127.0.0.1",
+                port=port)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,7 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save", type=Path, metavar="DIR", help="save the served model to DIR, exit")
     ap.add_argument("--dockerfile", type=Path, metavar="DIR",
                     help="write a Docker build context for the served model to DIR, exit")
+    ap.add_argument("--serve-folder", type=Path, help=argparse.SUPPRESS)  # serve_command's
     args = ap.parse_args(argv)
+    if args.serve_folder:
+        run_server(args.serve_folder, args.port)
+        return
     name = args.name or registered_name()
     work = Path(tempfile.mkdtemp(prefix="reprotrain-serve-"))
     try:

@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -182,6 +183,7 @@ BAD = {
                    "image 1: not a readable image (not an image file of a format read here "
                    "(BMP, JPEG, PNG, TIFF, WEBP)"),
     "an empty file": ({"inputs": [""]}, "image 0: not a readable image (empty"),
+    "json nested 100000 deep": ("[" * 100_000, "nested too deeply"),
     "huge dimensions": ({"inputs": [b64(bomb_png(5000, 5000))]}, "image 0: 5000x5000 pixels"),
     "empty list": ({"inputs": []}, "no images"),
     "thousands of images": ({"inputs": [b64(SAMPLE)] * 3000}, "3000 images in one request"),
@@ -223,6 +225,37 @@ def test_postscript_never_runs_ghostscript_in_the_server_nor_in_predict(server, 
     assert p.returncode == 1 and p.stdout == "", p.stderr
     assert p.stderr == (f"{tmp_path / 'digit.png'}\terror: not an image file of a format read "
                         "here (BMP, JPEG, PNG, TIFF, WEBP); convert it, e.g. to PNG\n")
+
+
+def answer_of(s: socket.socket) -> bytes:
+    """All the server sends before it closes the connection."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_body_over_the_limit_gets_a_413_before_it_is_all_read(server):
+    from stages.serve import MAX_BODY_BYTES
+
+    host, port = "127.0.0.1", server["port"]
+    head = f"POST /invocations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    # A declared length over the limit: refused with 1 KiB of it sent, the rest never read.
+    with socket.create_connection((host, port), timeout=20) as s:
+        s.sendall(f"{head}Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode() + b"[" * 1024)
+        answer = answer_of(s)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"MAX_BODY_BYTES" in answer, answer
+    # No length (chunked): refused one byte past the limit, the body's end never sent.
+    with socket.create_connection((host, port), timeout=20) as s:
+        s.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"a" * 2**20
+        for _ in range(MAX_BODY_BYTES // len(chunk)):
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        s.sendall(b"1\r\na\r\n")
+        answer = answer_of(s)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"MAX_BODY_BYTES" in answer, answer
+    status, good = post(server["base"], {"inputs": [b64(SAMPLE)]})
+    assert status == 200 and len(good["predictions"]) == 1
 
 
 def test_the_pixels_of_a_request_are_bounded_before_any_is_decoded(server):
