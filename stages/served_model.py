@@ -4,6 +4,9 @@ probabilities out, over the artifacts model.onnx and model.json.
     {"inputs": ["<base64 of a PNG, JPEG, ...>", ...]}
     -> {"predictions": [{"label": "7", "probability": 0.998, "probabilities": {"0": ..., ...}}]}
 
+A record gets a "warning" too when its image is unlike the training images (the check and the
+words of `stages.predict`'s warning).
+
 Each image is decoded, resized and normalized by the functions `python -m stages.predict` uses,
 and the graph runs in onnxruntime: no torch here, so a server loads it in a second. MLflow runs
 this file to load the model; `make serve` (stages/serve.py) runs the checkout's copy, never the
@@ -119,8 +122,13 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         probs = shared.probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
                                      self.spec_path)
         classes = self.spec["classes"]
-        return [{"label": classes[p.argmax()], "probability": float(p.max()),
-                 "probabilities": dict(zip(classes, map(float, p), strict=True))} for p in probs]
+        out = []
+        for p, offset in zip(probs, shared.brightness_offset(x), strict=True):
+            warning = shared.unlike_training(offset, self.spec)
+            out.append({"label": classes[p.argmax()], "probability": float(p.max()),
+                        "probabilities": dict(zip(classes, map(float, p), strict=True))}
+                       | ({"warning": warning} if warning else {}))
+        return out
 
 
 mlflow.models.set_model(ImageClassifier())

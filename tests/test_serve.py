@@ -270,6 +270,23 @@ def test_the_pixels_of_a_request_are_bounded_before_any_is_decoded(server):
     assert took < 5, f"{took:.1f} s: the images were decoded"
 
 
+def test_an_image_unlike_training_is_answered_with_predicts_warning(server, champion, tmp_path):
+    """A digit drawn dark on light: predict warns on it, and the served answer carries the
+    same warning; a usual digit gets none."""
+    w, env = champion
+    dark_on_light = tmp_path / "7.png"
+    Image.eval(Image.open(ROOT / "data/samples/7.png").convert("L"), lambda v: 255 - v) \
+        .save(dark_on_light)
+    images = [dark_on_light, ROOT / "data/samples/7.png"]
+    status, body = post(server["base"], {"inputs": [b64(p.read_bytes()) for p in images]})
+    assert status == 200, body
+    predicted = predict_json(w, env, images)
+    assert "warning" in predicted[0] and "warning" not in predicted[1]
+    assert body["predictions"][0]["warning"] == predicted[0]["warning"]
+    assert "brighter than what the model learned from" in body["predictions"][0]["warning"]
+    assert "warning" not in body["predictions"][1]
+
+
 def test_16_bit_palette_and_cmyk_images_are_answered_as_predict_does(server, champion, tmp_path):
     w, env = champion
     gray = np.asarray(Image.open(ROOT / "data/samples/3.png").convert("L"))
