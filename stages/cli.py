@@ -11,6 +11,7 @@ import argparse
 import atexit
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -62,6 +63,13 @@ def run_stage(main: Callable[[], None]) -> None:
         main()
     except (UserError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
+    except BrokenPipeError:
+        if not stdout_gone():
+            raise
+        # Its reader stopped early (`| head`): the end a tool killed by SIGPIPE has, quietly.
+        # Stdout then points at /dev/null, so the exit's flush of what is left fails no more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)
     except KeyboardInterrupt:
         # Ctrl-C is a choice, not a crash: one line, and the shell's 130.
         print("error: interrupted (Ctrl-C); outputs are unchanged or complete, never half "
@@ -107,6 +115,17 @@ def restat_stale_git_entries() -> None:
         if blob != content:
             later = max(time.time(), os.stat(path).st_mtime_ns // 10**9 + 1)
             os.utime(path, (later, later))
+
+
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll says POLLERR), rather than some
+    other pipe or socket that broke."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no stdout, or not a file
+        return False
 
 
 def exit_now() -> typing.NoReturn:

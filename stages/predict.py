@@ -408,5 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def cli() -> None:
+    code = main()
+    sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is then run_stage's quiet end
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    run_stage(lambda: sys.exit(main()))
+    run_stage(cli)

@@ -287,6 +287,24 @@ def test_an_image_unlike_training_is_answered_with_predicts_warning(server, cham
     assert "warning" not in body["predictions"][1]
 
 
+@pytest.mark.parametrize("unbuffered", ["", "1"], ids=["buffered", "unbuffered"])
+def test_predict_into_a_pipe_closed_early_ends_quietly(champion, unbuffered):
+    """`python -m stages.predict data/samples/ | head -3`: the reader gone, predict ends as a
+    tool killed by SIGPIPE does, with no traceback (output buffered or, as under
+    PYTHONUNBUFFERED, written line by line)."""
+    w, env = champion
+    read, write = os.pipe()
+    os.close(read)  # nobody reads: the first write fails
+    try:
+        p = subprocess.run([sys.executable, "-m", "stages.predict", str(ROOT / "data/samples")],
+                           cwd=w, env=dict(env, PYTHONUNBUFFERED=unbuffered), stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert p.returncode == 128 + signal.SIGPIPE, p.stderr
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
 def test_16_bit_palette_and_cmyk_images_are_answered_as_predict_does(server, champion, tmp_path):
     w, env = champion
     gray = np.asarray(Image.open(ROOT / "data/samples/3.png").convert("L"))
