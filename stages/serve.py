@@ -14,6 +14,7 @@ Only its model.onnx and model.json come from the registry, never code (stages/se
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -108,7 +109,8 @@ class Bounded:
             if len(body) > self.max_body:
                 await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
                 return
-        if too_deep(body):
+        data = bytes(body)
+        if await asyncio.to_thread(too_deep, data):  # other requests go on meanwhile
             await refuse(send, 400, "INVALID_PARAMETER_VALUE",
                          "the request's JSON is nested too deeply to parse; send "
                          "{\"inputs\": [<base64 image file>, ...]}")
@@ -120,7 +122,7 @@ class Bounded:
             if replayed:
                 return await receive()  # the disconnect, when it comes
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": data, "more_body": False}
 
         await self.app(scope, replay, send)
 
