@@ -220,6 +220,11 @@ class MlflowConfig:
                  "MLFLOW_TRACKING_PASSWORD in the environment instead")
 
 
+# A bound on what a typo or a sweep's range (`high: 1e20`) can ask: months of training that no
+# one meant. Far above any real training of this project's data.
+MAX_EPOCHS = 10_000
+
+
 @dataclass
 class Params:
     seed: int = 42
@@ -237,7 +242,7 @@ class Params:
         # numpy and scikit-learn take seeds below 2**32 only (torch's limit is higher).
         _require(0 <= self.seed < 2**32, "seed", self.seed, "must be in 0..4294967295 (2**32 - 1)")
         _require(self.lr > 0, "lr", self.lr, "must be > 0 (try 3e-3 for adamw, 0.1 for sgd)")
-        _require(self.epochs >= 1, "epochs", self.epochs, "must be >= 1")
+        _require(1 <= self.epochs <= MAX_EPOCHS, "epochs", self.epochs, f"must be >= 1 and <= {MAX_EPOCHS}")
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
         # batch_size is the global batch: each of N processes takes batch_size / N (batches.py).
         _require(self.train.nproc_per_node == "auto" or self.batch_size % self.train.nproc_per_node == 0,
