@@ -48,6 +48,18 @@ PER_EPOCH = ("val_acc", "val_loss")  # history.csv columns the train stage can r
 SQLITE_FAQ = ("https://optuna.readthedocs.io/en/stable/faq.html#how-can-i-solve-the-error-that-"
               "occurs-when-performing-parallel-optimization-with-sqlite3")
 WORKDIR = Path(".dvc/tmp/sweeps")  # clones and logs of local workers; git and DVC ignore it
+# Each trial is a DVC experiment (a git ref on the remote), an MLflow run and hours of compute:
+# a thousand is a large search; a bigger one is several studies, each a decision.
+MAX_TRIALS = 1000
+MAX_WORKERS = 256  # a SLURM array's tasks; local workers are bounded by this machine's cores
+CONNECT_TIMEOUT_S = 10  # to reach the study's database; PGCONNECT_TIMEOUT overrides
+MAX_OPTION = 1_000_000  # any sampler or pruner number (n_startup_trials, n_warmup_steps, ...)
+BOUNDS = {"trials": (1, MAX_TRIALS), "heartbeat_s": (1, 600), "grace_s": (1, 3600),
+          "retries": (0, 10)}
+BOUND_WHY = {"trials": "; for more, run several studies",
+             "heartbeat_s": " (a worker also waits this long between looks for a trial)",
+             "grace_s": " (a dead worker's trial waits this long before it is retried)",
+             "retries": " (retries of a trial whose worker died)"}
 
 
 class SweepError(UserError):
@@ -59,8 +71,8 @@ class SweepError(UserError):
 
 def load_sweep(path: Path, trials: int | None = None, params_file: Path = Path("params.yaml"),
                dvc_yaml: Path = Path("dvc.yaml")) -> dict[str, Any]:
-    """The sweep file, every key checked against params.yaml's schema and Optuna; one-line
-    errors that name the file and key."""
+    """The sweep file, every key checked against params.yaml's schema and Optuna; one line per
+    mistake, each naming the file and key, all of them at once."""
     if not path.exists():
         raise SweepError(f"{path}: not found (sweeps/lr.yaml is the example)")
     try:
@@ -70,61 +82,71 @@ def load_sweep(path: Path, trials: int | None = None, params_file: Path = Path("
     where = str(path)
     if not isinstance(raw, dict):
         raise SweepError(f"{where}: must be a mapping (see sweeps/lr.yaml)")
-    _known_keys(where, "", raw, SWEEP_KEYS)
-    spec = {"objective": raw.get("objective"), "trials": trials or raw.get("trials"),
+    errors: list[str] = []
+    _known_keys(where, "", raw, SWEEP_KEYS, errors)
+    spec = {"objective": raw.get("objective"), "trials": raw.get("trials") if trials is None else trials,
             "sampler": raw.get("sampler") or {"name": "tpe", "seed": 0},
             "pruner": raw.get("pruner") or {"name": "none"}, "params": raw.get("params") or {},
             "space": raw.get("space"), "heartbeat_s": raw.get("heartbeat_s", 30),
             "grace_s": raw.get("grace_s", 120), "retries": raw.get("retries", 2)}
-    for key in ("trials", "heartbeat_s", "grace_s"):
-        if not isinstance(spec[key], int) or isinstance(spec[key], bool) or spec[key] < 1:
-            raise SweepError(f"{where}: {key}={spec[key]!r} must be a whole number >= 1")
-    if not isinstance(spec["retries"], int) or spec["retries"] < 0:
-        raise SweepError(f"{where}: retries={spec['retries']!r} must be a whole number >= 0")
-    if spec["grace_s"] <= spec["heartbeat_s"]:
-        raise SweepError(f"{where}: grace_s={spec['grace_s']} must exceed heartbeat_s="
-                         f"{spec['heartbeat_s']}, or live workers would look dead")
-    spec["objective"] = _objective(where, spec["objective"], dvc_yaml)
-    spec["sampler"] = _optuna_part(where, "sampler", spec["sampler"], SAMPLERS)
-    spec["pruner"] = _optuna_part(where, "pruner", spec["pruner"], PRUNERS)
-    _space(where, spec["space"], spec["params"], params_file)
+    for key, (low, high) in BOUNDS.items():
+        value = spec[key]
+        if value is None and any(f"did you mean {key!r}?" in e for e in errors):
+            continue  # `trails: 8`: its line already says it
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            named = f"TRIALS={value}" if key == "trials" and trials is not None else \
+                f"{where}: {key}={value!r}"
+            errors.append(f"{named} must be a whole number from {low} to {high}{BOUND_WHY[key]}")
+    if not errors and spec["grace_s"] <= spec["heartbeat_s"]:
+        errors.append(f"{where}: grace_s={spec['grace_s']} must exceed heartbeat_s="
+                      f"{spec['heartbeat_s']}, or live workers would look dead")
+    spec["objective"] = _objective(where, spec["objective"], dvc_yaml, errors)
+    spec["sampler"] = _optuna_part(where, "sampler", spec["sampler"], SAMPLERS, errors)
+    spec["pruner"] = _optuna_part(where, "pruner", spec["pruner"], PRUNERS, errors)
+    _space(where, spec["space"], spec["params"], params_file, errors)
+    if errors:
+        # run_stage prints the first line after "error: "; every mistake gets a line of its own.
+        raise SweepError("\nerror: ".join(errors))
     return spec
 
 
-def _known_keys(where: str, prefix: str, raw: dict, known: set[str]) -> None:
+def _known_keys(where: str, prefix: str, raw: dict, known: set[str], errors: list[str]) -> bool:
+    """Every unknown key, a line each; True when there was none."""
+    before = len(errors)
     for key in raw:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {prefix + close[0]!r}?" if close else \
                 f"known keys: {', '.join(sorted(prefix + k for k in known))}"
-            raise SweepError(f"{where}: unknown key {prefix + str(key)!r}; {hint}")
+            errors.append(f"{where}: unknown key {prefix + str(key)!r}; {hint}")
+    return len(errors) == before
 
 
-def _objective(where: str, raw: Any, dvc_yaml: Path) -> dict:
+def _objective(where: str, raw: Any, dvc_yaml: Path, errors: list[str]) -> dict:
     if not isinstance(raw, dict):
-        raise SweepError(f"{where}: objective must be a mapping: file, metric, direction, per_epoch")
-    _known_keys(where, "objective.", raw, {"file", "metric", "direction", "per_epoch"})
+        errors.append(f"{where}: objective must be a mapping: file, metric, direction, per_epoch")
+        return {}
+    _known_keys(where, "objective.", raw, {"file", "metric", "direction", "per_epoch"}, errors)
     metrics = metrics_files(dvc_yaml)
     obj = {"file": raw.get("file"), "metric": raw.get("metric"),
            "direction": raw.get("direction", "maximize"), "per_epoch": raw.get("per_epoch")}
     if obj["file"] not in metrics:
-        raise SweepError(f"{where}: objective.file={obj['file']!r} is not a metrics file of "
-                         f"dvc.yaml; choose one of {', '.join(metrics)}")
-    if not isinstance(obj["metric"], str) or not obj["metric"]:
-        raise SweepError(f"{where}: objective.metric must name a key of {obj['file']}")
-    shown = Path(obj["file"])
-    if shown.exists() and obj["metric"] not in json.loads(shown.read_text()):
+        errors.append(f"{where}: objective.file={obj['file']!r} is not a metrics file of "
+                      f"dvc.yaml; choose one of {', '.join(metrics)}")
+    elif not isinstance(obj["metric"], str) or not obj["metric"]:
+        errors.append(f"{where}: objective.metric must name a key of {obj['file']}")
+    elif (shown := Path(obj["file"])).exists() and obj["metric"] not in json.loads(shown.read_text()):
         keys = list(json.loads(shown.read_text()))
         close = difflib.get_close_matches(obj["metric"], keys, n=1)
-        raise SweepError(f"{where}: objective.metric={obj['metric']!r} is not in {shown}; "
-                         + (f"did you mean {close[0]!r}?" if close else f"it has {', '.join(keys)}"))
+        errors.append(f"{where}: objective.metric={obj['metric']!r} is not in {shown}; "
+                      + (f"did you mean {close[0]!r}?" if close else f"it has {', '.join(keys)}"))
     if obj["direction"] not in ("maximize", "minimize"):
-        raise SweepError(f"{where}: objective.direction={obj['direction']!r}: use maximize or minimize")
+        errors.append(f"{where}: objective.direction={obj['direction']!r}: use maximize or minimize")
     obj["per_epoch"] = obj["per_epoch"] or ("val_acc" if obj["direction"] == "maximize" else "val_loss")
     if obj["per_epoch"] not in PER_EPOCH:
-        raise SweepError(f"{where}: objective.per_epoch={obj['per_epoch']!r}: the train stage "
-                         f"reports {' or '.join(PER_EPOCH)} after each epoch")
-    obj["stage"] = metrics[obj["file"]]
+        errors.append(f"{where}: objective.per_epoch={obj['per_epoch']!r}: the train stage "
+                      f"reports {' or '.join(PER_EPOCH)} after each epoch")
+    obj["stage"] = metrics.get(obj["file"])
     return obj
 
 
@@ -137,7 +159,7 @@ def metrics_files(dvc_yaml: Path) -> dict[str, str]:
             for path in (entry if isinstance(entry, dict) else {entry: None})}
 
 
-def _optuna_part(where: str, key: str, raw: Any, names: dict[str, str]) -> dict:
+def _optuna_part(where: str, key: str, raw: Any, names: dict[str, str], errors: list[str]) -> dict:
     """`sampler:` or `pruner:`: a name, and that Optuna class's own keyword arguments."""
     import inspect
 
@@ -145,56 +167,87 @@ def _optuna_part(where: str, key: str, raw: Any, names: dict[str, str]) -> dict:
 
     if not isinstance(raw, dict) or raw.get("name") not in names:
         got = raw.get("name") if isinstance(raw, dict) else raw
-        raise SweepError(f"{where}: {key}.name={got!r} is unknown; choose one of {', '.join(names)}")
+        errors.append(f"{where}: {key}.name={got!r} is unknown; choose one of {', '.join(names)}")
+        return raw if isinstance(raw, dict) else {}
     cls = getattr(optuna.samplers if key == "sampler" else optuna.pruners, names[raw["name"]])
     options = {k: v for k, v in raw.items() if k != "name"}
+    for option, value in options.items():
+        # Optuna checks few ranges: n_ei_candidates: 1e9 would spend hours on each sample.
+        low, high = (0, 2**32 - 1) if option == "seed" else (0, MAX_OPTION)
+        if _is(value, float) and not low <= value <= high:
+            errors.append(f"{where}: {key}.{option}={value!r} must be from {low} to {high}"
+                          + (" (numpy's seeds)" if option == "seed" else ""))
+            return dict(raw)
     try:
         inspect.signature(cls).bind(**options)
-        if key == "pruner":
+        with warnings_quiet():
             cls(**options)  # Optuna checks its ranges (n_warmup_steps >= 0, ...) here
     except (TypeError, ValueError) as e:
-        raise SweepError(f"{where}: {key} {raw['name']}: {e} (see optuna.{cls.__module__.split('.')[1]}"
-                         f".{cls.__name__})") from None
+        errors.append(f"{where}: {key} {raw['name']}: {e} (see optuna.{cls.__module__.split('.')[1]}"
+                      f".{cls.__name__})")
     return dict(raw)
 
 
-def _space(where: str, space: Any, fixed: Any, params_file: Path) -> None:
+def _space(where: str, space: Any, fixed: Any, params_file: Path, errors: list[str]) -> None:
     """Every swept and fixed key is a params.yaml key, and every value the sweep can set (the
-    bounds, each choice) passes params.yaml's own checks."""
+    bounds, each choice) passes params.yaml's own checks: they own every params value's range."""
     if not isinstance(space, dict) or not space:
-        raise SweepError(f"{where}: space must map params.yaml keys to ranges, e.g. "
-                         "lr: {type: float, low: 1.0e-4, high: 0.1, log: true}")
+        errors.append(f"{where}: space must map params.yaml keys to ranges, e.g. "
+                      "lr: {type: float, low: 1.0e-4, high: 0.1, log: true}")
+        space = {}
     if not isinstance(fixed, dict):
-        raise SweepError(f"{where}: params must map params.yaml keys to values")
+        errors.append(f"{where}: params must map params.yaml keys to values")
+        fixed = {}
     base = _read_yaml(params_file)
+    good_fixed = {}
     for key, value in fixed.items():
-        _check_value(where, f"params.{key}", base, {}, key, value)
+        if _check_value(where, f"params.{key}", base, {}, key, value, errors):
+            good_fixed[key] = value
     for key, dist in space.items():
         name = f"space.{key}"
         if not isinstance(dist, dict) or dist.get("type") not in SPACE_TYPES:
-            raise SweepError(f"{where}: {name} needs type: {', '.join(SPACE_TYPES)}, e.g. "
-                             "{type: float, low: 1.0e-4, high: 0.1, log: true}")
+            errors.append(f"{where}: {name} needs type: {', '.join(SPACE_TYPES)}, e.g. "
+                          "{type: float, low: 1.0e-4, high: 0.1, log: true}")
+            continue
         if dist["type"] == "choice":
-            _known_keys(where, f"{name}.", dist, {"type", "values"})
+            if not _known_keys(where, f"{name}.", dist, {"type", "values"}, errors):
+                continue
             values = dist.get("values")
             if not isinstance(values, list) or not values:
-                raise SweepError(f"{where}: {name}.values must be a non-empty list")
+                errors.append(f"{where}: {name}.values must be a non-empty list")
+                continue
         else:
-            _known_keys(where, f"{name}.", dist, {"type", "low", "high", "log", "step"})
-            low, high = dist.get("low"), dist.get("high")
-            kind = float if dist["type"] == "float" else int
-            if not all(_is(v, kind) for v in (low, high)):
-                raise SweepError(f"{where}: {name} needs low and high, {dist['type']}s; got "
-                                 f"low={low!r}, high={high!r}")
-            if low >= high:
-                raise SweepError(f"{where}: {name}: low={low!r} must be below high={high!r}")
-            if dist.get("log") and low <= 0:
-                raise SweepError(f"{where}: {name}: log: true needs low > 0, got low={low!r}")
-            if dist.get("log") and dist.get("step"):
-                raise SweepError(f"{where}: {name}: step and log: true exclude each other (Optuna)")
-            values = [low, high]
+            if not _known_keys(where, f"{name}.", dist, {"type", "low", "high", "log", "step"}, errors):
+                continue
+            values = _range(where, name, dist, errors)
+            if values is None:
+                continue
         for v in values:
-            _check_value(where, name, base, fixed, key, v)
+            if not _check_value(where, name, base, good_fixed, key, v, errors):
+                break  # one line per key: its low and high would repeat the same rule
+
+
+def _range(where: str, name: str, dist: dict, errors: list[str]) -> list | None:
+    """A float or int range's low and high, or None after a line saying what is wrong."""
+    low, high, step, log = dist.get("low"), dist.get("high"), dist.get("step"), dist.get("log")
+    kind = float if dist["type"] == "float" else int
+    if not all(_is(v, kind) for v in (low, high)):
+        problem = f"needs low and high, {dist['type']}s; got low={low!r}, high={high!r}"
+    elif low >= high:
+        problem = f"low={low!r} must be below high={high!r}"
+    elif log not in (None, True, False):
+        problem = f"log={log!r} must be true or false"
+    elif log and low <= 0:
+        problem = f"log: true needs low > 0, got low={low!r}"
+    elif log and step:
+        problem = "step and log: true exclude each other (Optuna)"
+    elif step is not None and not (_is(step, kind) and 0 < step <= high - low):
+        problem = f"step={step!r} must be a{'n int' if kind is int else ' number'} above 0 and " \
+                  f"at most high - low = {high - low!r}"
+    else:
+        return [low, high]
+    errors.append(f"{where}: {name}: {problem}")
+    return None
 
 
 def _is(value: Any, kind: type) -> bool:
@@ -202,7 +255,8 @@ def _is(value: Any, kind: type) -> bool:
     return isinstance(value, ok) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_value(where: str, name: str, base: dict, fixed: dict, key: str, value: Any) -> None:
+def _check_value(where: str, name: str, base: dict, fixed: dict, key: str, value: Any,
+                 errors: list[str]) -> bool:
     """params.yaml with the fixed params and `key: value` set, through params.yaml's checks."""
     raw = json.loads(json.dumps(base))
     for k, v in {**fixed, key: value}.items():
@@ -214,7 +268,9 @@ def _check_value(where: str, name: str, base: dict, fixed: dict, key: str, value
     try:
         check_params(raw)
     except ParamsError as e:
-        raise SweepError(f"{where}: {name}: {str(e).removeprefix('params.yaml: ')}") from None
+        errors.append(f"{where}: {name}: {str(e).removeprefix('params.yaml: ')}")
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the storage and the study
@@ -249,6 +305,13 @@ def shown(uri: str) -> str:
         return uri.split(":", 1)[0] + ":..."
 
 
+def bound_connect_time() -> None:
+    """psycopg waits 130 s for a database host that never answers. libpq's own variable bounds
+    it, here and in every process this one starts (workers, their trials' train stage, which
+    opens the study too); a URI's `?connect_timeout=` still wins. MySQL drivers wait 10 s."""
+    os.environ.setdefault("PGCONNECT_TIMEOUT", str(CONNECT_TIMEOUT_S))
+
+
 def open_storage(uri: str, spec: dict | None = None):
     """Optuna's RDB storage; with `spec`, with the heartbeat that lets dead workers be found."""
     import optuna
@@ -260,6 +323,15 @@ def open_storage(uri: str, spec: dict | None = None):
         return optuna.storages.RDBStorage(uri, heartbeat_interval=spec["heartbeat_s"],
                                           grace_period=spec["grace_s"],
                                           heartbeat_stale_trial_callback=retry)
+
+
+def reach_storage(uri: str, spec: dict | None = None):
+    """open_storage, or one line: unreachable, wrong password, no such database."""
+    try:
+        return open_storage(uri, spec)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's and each driver's own errors
+        raise SweepError(f"cannot open the study storage {shown(uri)}: "
+                         f"{tracking.reason(e)}") from None
 
 
 @contextlib.contextmanager
@@ -302,7 +374,7 @@ def sampler_for(spec: dict, number: int):
 
     options = {k: v for k, v in spec["sampler"].items() if k != "name"}
     if options.get("seed") is not None:
-        options["seed"] = options["seed"] * 100_003 + number
+        options["seed"] = (options["seed"] * 100_003 + number) % 2**32  # numpy's seeds
     with warnings_quiet():
         return getattr(optuna.samplers, SAMPLERS[spec["sampler"]["name"]])(**options)
 
@@ -331,16 +403,16 @@ def worker(study_name: str, workdir: Path, keep: bool = False) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     uri = storage_uri(None, 1)
     try:
-        plain = optuna.load_study(study_name=study_name, storage=open_storage(uri))
+        plain = optuna.load_study(study_name=study_name, storage=reach_storage(uri))
     except KeyError:
         raise SweepError(f"no study {study_name!r} in {shown(uri)}") from None
     spec, about = plain.user_attrs["sweep"], plain.user_attrs
-    storage = open_storage(uri, spec)
+    storage = reach_storage(uri, spec)
     study = optuna.load_study(study_name=study_name, storage=storage)
     study_id = storage.get_study_id_from_name(study_name)
     me = f"{platform.node()}:{os.getpid()}"
     clone = clone_at(about["remote"], about["commit"], workdir / study_name / me.replace(":", "-"))
-    dvc_remote = has_dvc_remote(clone)
+    dvc_remote = use_dvc_remote(clone, about.get("dvc_remote", ""))
     print(f"worker {me}: {clone} at {about['commit'][:7]}", flush=True)
     while (trial_id := claim(study, storage, study_id, spec["heartbeat_s"])) is not None:
         with heartbeat(storage, trial_id, spec["heartbeat_s"]):
@@ -498,6 +570,35 @@ def clone_at(remote: str, commit: str, folder: Path) -> Path:
     return folder
 
 
+def shared_dvc_remote(repo: Path) -> str:
+    """The URL of the workspace's default DVC remote, for clones that lack it: one added with
+    `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
+    committing .dvc/config would move HEAD, so earlier experiments leave `make exps`). "" when
+    there is none, or when its URL holds a password (the study's attributes are no place for it)."""
+    import urllib.parse
+
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        name = r.config["core"].get("remote")
+        url = r.config["remote"].get(name, {}).get("url", "") if name else ""
+    if urllib.parse.urlsplit(url).password:
+        print(f"warning: the DVC remote {name!r} has a password in its URL, so workers get no "
+              "DVC remote from here; commit a remote without it", file=sys.stderr)
+        return ""
+    return url
+
+
+def use_dvc_remote(clone: Path, url: str) -> bool:
+    """The clone's own default DVC remote, or else the coordinator's (`url`), as a local one."""
+    if has_dvc_remote(clone):
+        return True
+    if url:
+        subprocess.run([dvc(), "remote", "add", "-q", "-d", "--local", "sweep", url], cwd=clone,
+                       check=True, capture_output=True)
+    return bool(url)
+
+
 def has_dvc_remote(clone: Path) -> bool:
     p = subprocess.run([dvc(), "remote", "default"], cwd=clone, capture_output=True, text=True)
     return p.returncode == 0 and bool(p.stdout.strip())
@@ -577,11 +678,14 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
     spec = load_sweep(path, trials)  # a bad file fails here, before anything starts
     if launcher not in ("local", "slurm"):
         raise SweepError(f"LAUNCHER={launcher!r}: use local or slurm")
+    check_workers(workers, spec["trials"], launcher)
     uri = storage_uri(storage, workers)
     url, commit = pinned_commit(remote)
     params = load_params()
     name = study or f"{path.stem}-{time.strftime('%m%d-%H%M%S')}"
-    about = {"remote": url, "commit": commit, "sweep_file": str(path)}
+    about = {"remote": url, "commit": commit, "sweep_file": str(path),
+             "dvc_remote": shared_dvc_remote(Path.cwd())}
+    print(plan(name, spec, params, commit, workers, launcher, uri), flush=True)
     optuna_study = create_study(uri, name, spec, about)
     log_dir = (workdir / name).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -620,6 +724,32 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
         raise SweepError(f"{unfinished} trials never ended ({', '.join(engine.lost()) or 'workers gone'});"
                          f" start more workers: {STORAGE_ENV}=... python -m stages.sweep worker "
                          f"--study {name}")
+
+
+def check_workers(workers: int, trials: int, launcher: str) -> None:
+    cores = os.cpu_count() or 1
+    if not 1 <= workers <= MAX_WORKERS:
+        raise SweepError(f"WORKERS={workers} must be from 1 to {MAX_WORKERS}")
+    if workers > trials:
+        raise SweepError(f"WORKERS={workers} is more than TRIALS={trials}: the others would find "
+                         f"no trial to run; use WORKERS={trials} or fewer")
+    if launcher == "local" and workers > cores:
+        # Each local worker trains on this machine: more of them than cores only slows all.
+        raise SweepError(f"WORKERS={workers} local workers: this machine has {cores} cores; use "
+                         f"WORKERS={cores} or fewer, or LAUNCHER=slurm")
+
+
+def plan(name: str, spec: dict, params, commit: str, workers: int, launcher: str, uri: str) -> str:
+    """What the sweep will do, in one line, before it starts: no secrets (the storage's kind)."""
+    epochs = spec["space"].get("epochs")
+    epochs = f"{epochs['low']}-{epochs['high']}" if epochs and "low" in epochs else \
+        "/".join(map(str, epochs["values"])) if epochs else spec["params"].get("epochs", params.epochs)
+    obj = spec["objective"]
+    swept = ", ".join(spec["space"])
+    kind = uri.split(":", 1)[0].split("+", 1)[0]
+    return (f"sweep {name}: {spec['trials']} trials x {epochs} epochs of {commit[:7]} over {swept}, "
+            f"{obj['direction']} {obj['metric']} ({obj['file']}), {workers} {launcher} "
+            f"worker{'s' if workers > 1 else ''}, study in {kind} storage")
 
 
 def flat_spec(spec: dict) -> dict[str, Any]:
@@ -670,6 +800,8 @@ def summary(study, spec: dict) -> str:
     trials = study.get_trials(deepcopy=False)
     retried_as = {t.system_attrs["failed_trial"]: t.number for t in trials
                   if "failed_trial" in t.system_attrs}
+    metric = spec["objective"]["metric"]
+    width = max(7, len(metric))
     rows = []
     for t in trials:
         if t.state.name == "COMPLETE":
@@ -685,13 +817,13 @@ def summary(study, spec: dict) -> str:
             note = t.state.name.lower()
         value = f"{t.value:.4f}" if t.value is not None else "-"
         secs = t.user_attrs.get("run_s")
-        rows.append(f"  {t.number:>3} {t.state.name:<8} {value:>7} {fmt(t.params):<28} "
+        rows.append(f"  {t.number:>3} {t.state.name:<8} {value:>{width}} {fmt(t.params):<28} "
                     f"{f'{secs:.0f}s' if secs else '':>5} {note}")
     c = Counter(t.state.name for t in trials)
     restored = sum(t.state.name == "COMPLETE" and not t.user_attrs.get("retrained") for t in trials)
     return "\n".join([f"study {study.study_name}: {c['COMPLETE']} complete ({restored} restored from "
                       f"the run-cache), {c['PRUNED']} pruned, {c['FAIL']} failed",
-                      f"  {'#':>3} {'state':<8} {spec['objective']['metric'][:7]:>7} "
+                      f"  {'#':>3} {'state':<8} {metric:>{width}} "
                       f"{'params':<28} {'time':>5}", *rows])
 
 
@@ -725,9 +857,15 @@ def plot(study, spec: dict, out: Path) -> Path:
     failed = [t.number for t in trials if t.state.name == "FAIL"]
     for n in failed:
         ax.axvline(n, color="grey", linestyle=":", label="failed" if n == failed[0] else None)
+    # A loss spans decades (2.3 for an lr that learns nothing, 0.02 for a good one): on a linear
+    # axis every good trial sits on one flat line at the bottom.
+    shown_values = [t.value for t in done] + last
+    y_log = bool(shown_values) and min(shown_values) > 0 and max(shown_values) >= 10 * min(shown_values)
     ax.set(xlabel="trial", ylabel=obj["metric"], title=f"{study.study_name}: {obj['metric']} per trial")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # trial numbers, not 0.2, 0.4, ...
     ax.legend(fontsize=8)
+    for ax in axes[0] if y_log else ():
+        ax.set_yscale("log")
     for ax, key in zip(axes[0][1:], keys, strict=True):
         ax.scatter([t.params[key] for t in done if key in t.params],
                    [t.value for t in done if key in t.params], label="complete")
@@ -773,7 +911,11 @@ def pull(study, spec: dict) -> None:
 def status(study_name: str, workdir: Path) -> None:
     import optuna
 
-    study = optuna.load_study(study_name=study_name, storage=open_storage(storage_uri(None, 1)))
+    uri = storage_uri(None, 1)
+    try:
+        study = optuna.load_study(study_name=study_name, storage=reach_storage(uri))
+    except KeyError:
+        raise SweepError(f"no study {study_name!r} in {shown(uri)}") from None
     spec = study.user_attrs["sweep"]
     print(progress(study, spec))
     print(summary(study, spec))
@@ -800,9 +942,8 @@ def main() -> None:
     s.add_argument("--study", required=True)
     s.add_argument("--workdir", type=Path, default=WORKDIR)
     a = parser.parse_args()
+    bound_connect_time()
     if a.command == "run":
-        if a.trials is not None and a.trials < 1 or a.workers < 1:
-            raise SweepError(f"TRIALS={a.trials} WORKERS={a.workers}: both must be >= 1")
         run(a.sweep, a.trials, a.workers, a.launcher, a.storage, a.remote, a.study, a.workdir)
     elif a.command == "worker":
         worker(a.study, a.workdir, a.keep)

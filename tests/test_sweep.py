@@ -34,6 +34,7 @@ space:
 heartbeat_s: 1
 grace_s: 4
 """
+NO_DB = "postgresql://nobody@127.0.0.1:1/none"  # never reached: the refusal comes first
 
 
 def sweep_file(folder: Path, text: str) -> Path:
@@ -274,3 +275,100 @@ def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgr
     assert set(range(4)) <= set(trials)
     assert all(t.user_attrs["slurm_task"].startswith(f"{job}_") for t in trials.values())
     assert launcher.states(job)[int(task)] == "CANCELLED"
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("heartbeat_s: 1", "heartbeat_s: 1000000000", "heartbeat_s=1000000000 must be a whole number "
+     "from 1 to 600"),
+    ("grace_s: 4", "grace_s: 1000000000", "grace_s=1000000000 must be a whole number from 1 to 3600"),
+    ("grace_s: 4", "grace_s: 4\nretries: 1000000000", "retries=1000000000 must be a whole number "
+     "from 0 to 10"),
+    ("trials: 8", "trials: 1000000000", "trials=1000000000 must be a whole number from 1 to 1000"),
+    ("n_warmup_steps: 0", "n_warmup_steps: 1000000000",
+     "pruner.n_warmup_steps=1000000000 must be from 0 to 1000000"),
+    ("lr: {type: choice", "epochs: {type: int, low: 1, high: 100000000000000000000}\n  lr: {type: choice",
+     "space.epochs: epochs=100000000000000000000 is invalid: must be >= 1 and <= 10000"),
+    ("lr: {type: choice", "epochs: {type: int, low: 1, high: 5, step: -2}\n  lr: {type: choice",
+     "space.epochs: step=-2 must be an int above 0 and at most high - low = 4"),
+])
+def test_every_number_of_a_sweep_file_is_bounded(tmp_path, old, new, message):
+    """A sweep that would run for ever, never notice a dead worker or retry without end is
+    refused before it starts; the params' own ranges (epochs) come from params.yaml's schema."""
+    assert old in TINY
+    with pytest.raises(SweepError) as e:
+        load_sweep(sweep_file(tmp_path, TINY.replace(old, new)))
+    assert message in str(e.value) and str(e.value).count("\n") == 0, str(e.value)
+
+
+def test_every_mistake_of_a_sweep_file_gets_its_line(tmp_path):
+    bad = TINY.replace("trials: 8", "trails: 8").replace("name: random", "name: annealing") \
+        .replace("grace_s: 4", "grace_s: 1000000000").replace("width: 8", "width: 0")
+    p = run([sys.executable, "-m", "stages.sweep", "run", str(sweep_file(tmp_path, bad)),
+             "--storage", NO_DB], ROOT, check=False)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 1 and len(lines) == 4 and all(ln.startswith("error: ") for ln in lines), \
+        p.stderr
+    for part in ("unknown key 'trails'; did you mean 'trials'?", "sampler.name='annealing'",
+                 "grace_s=1000000000 must be", "params.model.width: model.width=0 is invalid"):
+        assert sum(part in ln for ln in lines) == 1, (part, p.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--trials", "1000000000"], "TRIALS=1000000000 must be a whole number from 1 to 1000; for "
+     "more, run several studies"),
+    (["--trials", "2", "--workers", "3"], "WORKERS=3 is more than TRIALS=2"),
+    (["--trials", "256", "--workers", "256"], "WORKERS=256 local workers: this machine has"),
+    (["--workers", "100000", "--launcher", "slurm"], "WORKERS=100000 must be from 1 to 256"),
+])
+def test_trials_and_workers_are_bounded_before_anything_starts(tmp_path, args, message):
+    """TRIALS=1000000000 once enqueued 5,504 trials in a minute and took the study's name."""
+    storage = f"sqlite:///{tmp_path}/study.db" if "--workers" not in args else NO_DB
+    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", *args, "--storage",
+             storage], ROOT, check=False, timeout=60)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
+    assert not (tmp_path / "study.db").exists()
+
+
+def test_a_hung_storage_ends_the_sweep_in_seconds_with_one_line(tmp_path):
+    """A database host that takes the connection and never answers (a hung server, a firewall
+    that drops): psycopg's default wait is 130 s, and then a traceback."""
+    import socket
+
+    repo = copy_repo(tmp_path / "repo")
+    run(["git", "clone", "-q", "--bare", str(repo), str(tmp_path / "origin.git")], tmp_path)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()  # never accepted: the kernel completes the handshake, nobody answers
+        port = hung.getsockname()[1]
+        t0 = time.monotonic()
+        p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--trials", "3",
+                 "--remote", str(tmp_path / "origin.git"), "--study", "hung", "--storage",
+                 f"postgresql://optuna@127.0.0.1:{port}/sweeps"], repo, check=False, timeout=60)
+        took = time.monotonic() - t0
+    assert p.returncode == 1 and took < 40, (took, p.stdout, p.stderr)
+    assert p.stderr.startswith("error: cannot open the study storage") and \
+        p.stderr.count("\n") == 1, p.stderr
+    # What it was about to do, said before it started: the plan, without secrets.
+    (plan,) = [ln for ln in p.stdout.splitlines() if ln.startswith("sweep hung:")]
+    assert "3 trials x 10 epochs" in plan and "minimize best_val_loss" in plan, plan
+    assert "1 local worker" in plan and "postgresql storage" in plan and "optuna@" not in plan
+
+
+def test_the_trials_table_shows_the_objective_s_whole_name():
+    """The header was cut to `best_va`; the values line up under the whole name."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from stages.sweep import summary
+
+    study = optuna.create_study(direction="minimize")
+    for lr, loss in ((0.003, 0.0213), (0.03, 0.0871)):
+        study.add_trial(optuna.trial.create_trial(
+            params={"lr": lr}, distributions={"lr": FloatDistribution(1e-4, 0.1, log=True)},
+            value=loss, user_attrs={"retrained": True, "run_s": 40.0}))
+    spec = {"objective": {"metric": "best_val_loss", "direction": "minimize"}}
+    header, *rows = summary(study, spec).splitlines()[1:]
+    assert "best_val_loss" in header.split(), header
+    end = header.index("best_val_loss") + len("best_val_loss")
+    assert [row[:end].rstrip()[-6:] for row in rows] == ["0.0213", "0.0871"], (header, rows)
+
