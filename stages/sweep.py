@@ -686,6 +686,7 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
     about = {"remote": url, "commit": commit, "sweep_file": str(path),
              "dvc_remote": shared_dvc_remote(Path.cwd())}
     print(plan(name, spec, params, commit, workers, launcher, uri), flush=True)
+    optuna_logging_quiet()  # "A new study created in RDB": the line above said it
     optuna_study = create_study(uri, name, spec, about)
     log_dir = (workdir / name).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -724,6 +725,12 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
         raise SweepError(f"{unfinished} trials never ended ({', '.join(engine.lost()) or 'workers gone'});"
                          f" start more workers: {STORAGE_ENV}=... python -m stages.sweep worker "
                          f"--study {name}")
+
+
+def optuna_logging_quiet() -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def check_workers(workers: int, trials: int, launcher: str) -> None:

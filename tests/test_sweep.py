@@ -381,3 +381,20 @@ def test_the_shipped_sweeps_rank_by_validation_loss():
         obj = load_sweep(ROOT / "sweeps" / name)["objective"]
         assert (obj["metric"], obj["direction"], obj["per_epoch"]) == \
             ("best_val_loss", "minimize", "val_loss"), (name, obj)
+
+
+def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
+    """`dvc remote add -d --local` commits nothing (HEAD stays, earlier experiments stay in
+    `make exps`), but git does not carry .dvc/config.local: the workers' clones get its URL."""
+    from stages.sweep import has_dvc_remote, shared_dvc_remote, use_dvc_remote
+
+    repo = tmp_path / "repo"
+    run(["git", "init", "-q", str(repo)], tmp_path)
+    run(["dvc", "init", "-q"], repo)
+    run(["git", "commit", "-qm", "dvc init"], repo)
+    run(["dvc", "remote", "add", "-d", "--local", "storage", "../store"], repo)
+    url = shared_dvc_remote(repo)
+    assert url == str(tmp_path / "store")  # absolute: a clone lives elsewhere
+    run(["git", "clone", "-q", str(repo), str(tmp_path / "clone")], tmp_path)
+    assert not has_dvc_remote(tmp_path / "clone")
+    assert use_dvc_remote(tmp_path / "clone", url) and has_dvc_remote(tmp_path / "clone")
