@@ -108,7 +108,8 @@ server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIF
 # columns fit 120 where dvc's own table does not. awk names the test split's metrics test_acc,
 # test_loss, test_f1 (beside best_val_acc from validation), names the workspace and main rows
 # (their Experiment cell is empty) from the rev column and drops it. `dvc exp show` has it all.
-EXPS_KEEP := ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size)$$
+# The column sorted by is always shown (a sweep's objective, best_val_loss, among them).
+EXPS_KEEP = ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size$(if $(EXPS_SORT),|$(lastword $(subst :, ,$(EXPS_SORT)))))$$
 EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|params\.yaml|best_val_loss|best_epoch|epochs_run|num_params|^n$$
 EXPS_REVS ?=  # e.g. --rev origin/main --rev HEAD: experiments of those commits (default HEAD's)
 EXPS_SORT ?=  # e.g. models/train/metrics.json:best_val_acc (a sweep prints its objective's)

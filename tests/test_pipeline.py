@@ -302,6 +302,12 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
     assert {"workspace", "main", *names} <= set(rows)
     assert rows[by_lr["0.02"].info.run_name][5] == "0.02"  # lr in the table, by the run's name
     assert rows[hit.info.run_name][-1] == "128"
+    # Sorted by a sweep's objective: that column is shown, whatever the default drops.
+    table = run(["make", "-s", "exps", f"VENV={VENV_BIN.parent}", "EXPS_ORDER=asc",
+                 "EXPS_SORT=models/train/metrics.json:best_val_loss"], repo).stdout.splitlines()
+    column = table[0].split().index("best_val_loss")
+    losses = [float(line.split()[column]) for line in table[1:] if line.split()[0] in names]
+    assert len(losses) == len(names) and losses == sorted(losses), "\n".join(table)
 
 
 def test_ci_report_prints_params_metrics_and_plots(repo):
