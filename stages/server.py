@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.redact import masked
 from stages.ui import started
 
 # Logged-in users may browse every experiment and log only where they created the experiment or
@@ -35,11 +36,6 @@ DEFAULT_PERMISSION = "READ"
 DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
 MIN_PASSWORD = 12  # MLflow's own rule for basic-auth passwords
 MIN_SECRET = 32  # the Flask session/CSRF key: 32 characters, as `secrets.token_hex(16)` gives
-
-
-def masked(text: str) -> str:
-    """`text` with the password of every `scheme://user:password@host` in it replaced by ***."""
-    return re.sub(r"(\w+(?:\+\w+)?://[^/:@\s]*:)[^@\s]*@", r"\1***@", text)
 
 
 def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tuple[str, str]:

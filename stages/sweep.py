@@ -296,13 +296,11 @@ def storage_uri(given: str | None, workers: int) -> str:
 
 
 def shown(uri: str) -> str:
-    """The URI without its password: it goes into messages and MLflow tags."""
-    from sqlalchemy.engine import make_url
+    """The URI (or a message naming it) without its password, in any of its forms: it goes into
+    messages and MLflow tags."""
+    from stages.redact import masked
 
-    try:
-        return make_url(uri).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a URL at all: show only its scheme
-        return uri.split(":", 1)[0] + ":..."
+    return masked(uri)
 
 
 def bound_connect_time() -> None:
@@ -358,7 +356,7 @@ def create_study(uri: str, name: str, spec: dict, about: dict):
                          "STUDY=...") from None
     except Exception as e:  # noqa: BLE001 - unreachable, wrong password, no such database
         raise SweepError(f"cannot open the study storage {shown(uri)}: "
-                         f"{tracking.reason(e)}") from None
+                         f"{shown(tracking.reason(e))}") from None
     study.set_user_attr("sweep", spec)
     for key, value in about.items():
         study.set_user_attr(key, value)

@@ -1,0 +1,36 @@
+"""Passwords out of text that is shown or logged: database and server URIs in messages, tags and
+logs. Plumbing: it knows no params schema, so every command can import it.
+
+A password can sit in a URI's userinfo (`postgresql://u:pw@host/db`), in its query
+(`?password=pw`, `&sslpassword=pw`, any key naming a pass, pwd, secret or token) or in a libpq
+keyword string (`host=h password='p w' dbname=db`); every form is masked, whatever else the text
+holds around it.
+"""
+
+from __future__ import annotations
+
+import re
+
+MASK = "***"
+_SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
+# scheme://user:PASSWORD@host: the password ends at the last @ before the path; libpq stops at a
+# `/`, so a password never holds one there.
+_USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)[^\s/]*@")
+# ?password=...&: a query parameter's value ends at the next `&` or `#`.
+_QUERY = re.compile(rf"(?P<keep>[?&;]{_SECRET_KEY}=)[^&#\s]*", re.IGNORECASE)
+# password=... in a keyword string (libpq's `key = value`, single-quoted with \' or '' inside, or
+# up to the next blank) or an environment dump (`PGPASSWORD=...`).
+_KEYWORD = re.compile(rf"(?P<keep>(?:^|(?<=[\s,(=\"'])){_SECRET_KEY}\s*=\s*)"
+                      r"(?:'(?:[^'\\]|\\.|'')*'?|\"(?:[^\"\\]|\\.)*\"?|\S+)", re.IGNORECASE)
+
+
+def masked(text: str) -> str:
+    """`text` with every password in it replaced by ***; the rest (user, host, database) kept,
+    so that a message still says which database it means."""
+    text = _USERINFO.sub(rf"\g<keep>{MASK}@", text)
+    text = _QUERY.sub(rf"\g<keep>{MASK}", text)
+    return _KEYWORD.sub(rf"\g<keep>{MASK}", text)
+
+
+def holds_password(text: str) -> bool:
+    return masked(text) != text

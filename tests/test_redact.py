@@ -1,0 +1,108 @@
+"""Every form a password takes in a URI or a connection string is masked (stages/redact.py), and
+what is not a password stays, so that a message still names its database."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.redact import holds_password, masked
+from tests.conftest import env_with
+from tests.services import create_database, postgres  # noqa: F401 - the fixture
+
+SECRET = "S3cr3t-pw"
+FORMS = {
+    # userinfo
+    f"postgresql://mlflow:{SECRET}@db/mlflow": "postgresql://mlflow:***@db/mlflow",
+    f"postgresql+psycopg://u:{SECRET}@h:5432/db": "postgresql+psycopg://u:***@h:5432/db",
+    f"mysql+pymysql://u:p%40{SECRET}@h/db": "mysql+pymysql://u:***@h/db",
+    f"postgresql://u:pa@{SECRET}@h/db": "postgresql://u:***@h/db",  # an unescaped @ in it
+    f"http://alice:{SECRET}@mlflow.example.com:5000": "http://alice:***@mlflow.example.com:5000",
+    # query parameters
+    f"postgresql://u@h/db?password={SECRET}": "postgresql://u@h/db?password=***",
+    f"postgresql://u@h/db?sslmode=require&password={SECRET}&connect_timeout=5":
+        "postgresql://u@h/db?sslmode=require&password=***&connect_timeout=5",
+    f"postgresql://u@h/db?passwd={SECRET}": "postgresql://u@h/db?passwd=***",
+    f"postgresql://u@h/db?PWD={SECRET}": "postgresql://u@h/db?PWD=***",
+    f"postgresql://u@h/db?sslpassword={SECRET}": "postgresql://u@h/db?sslpassword=***",
+    f"mssql+pyodbc://h/db?client_secret={SECRET}#x": "mssql+pyodbc://h/db?client_secret=***#x",
+    f"postgresql://h/db?api_token={SECRET}": "postgresql://h/db?api_token=***",
+    # libpq keyword strings
+    f"host=db password={SECRET} dbname=mlflow": "host=db password=*** dbname=mlflow",
+    f"host=db password = {SECRET} dbname=mlflow": "host=db password = *** dbname=mlflow",
+    f"host=db password='{SECRET} with blanks' dbname=mlflow": "host=db password=*** dbname=mlflow",
+    f"host=db password='it''s {SECRET}\\' x' user=u": "host=db password=*** user=u",
+    f"password=\"{SECRET} x\" user=u": "password=*** user=u",
+    f"host=db password='{SECRET} never closed": "host=db password=***",
+    f"DB=host=db passwd={SECRET}": "DB=host=db passwd=***",
+    f"PGPASSWORD={SECRET} make server": "PGPASSWORD=*** make server",
+    # inside a message, two URIs
+    f"cannot open postgresql://u@h/db?password={SECRET}&sslmode=disable: refused, and "
+    f"http://a:{SECRET}@b/": "cannot open postgresql://u@h/db?password=***&sslmode=disable: "
+                             "refused, and http://a:***@b/",
+}
+KEPT = ["postgresql://mlflow@db-host:5432/mlflow", "postgresql://h:5432/db?sslmode=require",
+        "sqlite:////srv/mlflow.db", "sqlite:///sweep.db", "host=db dbname=mlflow user=mlflow",
+        "http://127.0.0.1:5000/#/experiments/1/runs?viewStateShareKey=reprotrain",
+        "postgresql://u@h/db?passfile_hint"]
+
+
+@pytest.mark.parametrize("text", list(FORMS))
+def test_every_form_of_a_password_is_masked(text):
+    assert masked(text) == FORMS[text]
+    assert SECRET not in masked(text) and holds_password(text)
+
+
+@pytest.mark.parametrize("text", KEPT)
+def test_text_without_a_password_is_left_as_it_is(text):
+    assert masked(text) == text and not holds_password(text)
+
+
+def test_the_server_and_the_sweep_mask_with_the_one_owner():
+    from stages import server, sweep
+
+    for text, want in FORMS.items():
+        assert server.masked(text) == want and sweep.shown(text) == want
+
+
+def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres):  # noqa: F811
+    """`make sweep STORAGE=...?password=...`, for real: the storage unreachable (the error
+    line), then reachable (the line it prints, the MLflow parent run's tag). PostgreSQL's trust
+    auth ignores the password, so the study opens with it in the URI."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+
+    from tests.conftest import run
+    from tests.test_sweep import TINY, project
+
+    repo = project(tmp_path, TINY)
+    env = env_with()
+    refused = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml", "--storage",
+                   f"postgresql://nobody@127.0.0.1:1/none?password={SECRET}&connect_timeout=3"],
+                  repo, env=env, check=False)
+    assert refused.returncode == 1 and "cannot open the study storage" in refused.stderr
+    assert SECRET not in refused.stdout + refused.stderr, refused.stderr
+    assert "password=***" in refused.stderr
+
+    uri = create_database(postgres, "masked_sweep") + f"?password={SECRET}&sslmode=disable"
+    proc = subprocess.Popen([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml",
+                             "--trials", "1", "--study", "masked", "--storage", uri], cwd=repo,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # Workers start once the parent run is open with its tags: enough, the trial need not run.
+        deadline = time.monotonic() + 180
+        while not (repo / ".dvc/tmp/sweeps/masked/worker-0.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        text = proc.communicate(timeout=120)[0]
+    assert SECRET not in text and "masked_sweep?password=***&sslmode=disable" in text, text
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}")
+    (parent,) = [r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")
+                 if r.info.run_name == "masked"]
+    assert parent.data.tags["optuna_storage"] == masked(uri)
+    assert SECRET not in str(parent.data.tags) + str(parent.data.params)
