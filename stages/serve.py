@@ -172,7 +172,7 @@ def port_free(port: int) -> bool:
 
 def serve(name: str, work: Path, args) -> None:
     from stages.predict import onnx_runner, read_spec
-    from stages.ui import started
+    from stages.ui import private_folder, started
 
     number, files = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.
@@ -193,7 +193,7 @@ def serve(name: str, work: Path, args) -> None:
     if not port_free(args.port):
         raise UserError(f"port {args.port} on 127.0.0.1 is taken; `make serve PORT={args.port + 1}`")
     base = f"http://127.0.0.1:{args.port}"
-    log = Path(tempfile.gettempdir()) / f"reprotrain-serve-{args.port}.log"
+    log = private_folder("serve") / "serve.log"  # kept after `work` goes: it says why it failed
     print(f"serving {what} on {base} (its log: {log})", flush=True)
     with started("model server", serve_command(folder, args.port), server_env(), log,
                  f"{base}/ping", args.timeout, f"its log: {log}") as server:

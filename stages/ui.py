@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,15 +49,39 @@ def stop(server: subprocess.Popen) -> None:
             continue
 
 
+def private_folder(name: str) -> Path:
+    """A new 0700 folder for a command's log (and its config): a fixed name in /tmp could be a
+    symlink another user planted, and writing to it would overwrite what it points at."""
+    return Path(tempfile.mkdtemp(prefix=f"reprotrain-{name}-"))
+
+
+def last_lines(log: Path, n: int = 3) -> str:
+    tail = log.read_text(errors="replace").strip().splitlines()[-n:]
+    return " / ".join(tail) or "no output"
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGTERM when this command dies, even by SIGKILL, which leaves
+    it no chance to stop the server (that then forwards the signal to its workers)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextmanager
 def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: str,
             timeout: int, hint: str) -> Iterator[subprocess.Popen]:
-    """`cmd` in its own process group with its output in `log`; yields once `health` answers.
-    Ctrl-C, SIGTERM, a closed terminal or an error end the whole group; `hint` says what to do
-    when it never answers."""
-    with open(log, "w") as out:
+    """`cmd` in its own process group with its output in `log` (a new file in a private
+    folder); yields once `health` answers. Ctrl-C, SIGTERM, a closed terminal, an error or this
+    process's death end the whole group; `hint` says what to do when it never answers."""
+    parent = os.getpid()
+    with open(log, "x") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+                                  start_new_session=True,
+                                  preexec_fn=lambda: _die_with_parent(parent))
     # `kill` or a closed terminal: still end the server's group, which has its own session.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
@@ -64,9 +89,7 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
         deadline = time.monotonic() + timeout
         while not answers(health):
             if server.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise UserError(f"the {name} did not start ({' / '.join(tail) or 'no output'}); "
-                                f"{hint}")
+                raise UserError(f"the {name} did not start ({last_lines(log)}); {hint}")
             time.sleep(0.5)
         yield server
     except KeyboardInterrupt:
@@ -91,20 +114,29 @@ def main(argv: list[str] | None = None) -> None:
         print(f"runs are on the tracking server: open {where}")
         return
     base, hosts = f"http://127.0.0.1:{args.port}", f"127.0.0.1:{args.port},localhost:{args.port}"
-    log = Path(tempfile.gettempdir()) / f"reprotrain-ui-{args.port}.log"
+    log = private_folder("ui") / "ui.log"
     env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")  # Starlette's, not ours
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host",
            "127.0.0.1", "--port", str(args.port), "--allowed-hosts", hosts, "--workers", "1"]
-    print(f"starting the MLflow UI on {base} (its log: {log})", flush=True)
-    with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
-                 f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`") as server:
-        # The UI's own home page and run links without workflowType open in GenAI mode; this
-        # address is the classic runs table, which MLflow keeps while you click within it.
-        print("MLflow UI ready (Ctrl-C stops it). Its home page opens in GenAI mode; the "
-              "training runs are at:")
-        print(tracking.experiment_url(cfg, base), flush=True)
-        server.wait()
-
+    # No address yet: one printed before the server answers is one a user opens too early.
+    print(f"starting the MLflow UI on port {args.port} (7-60 s; its log: {log})", flush=True)
+    with ThreadPoolExecutor(1) as pool:
+        # The runs table's address (MLflow imported, the store read) while the server starts, so
+        # that both addresses come together once it answers. A store that does not exist yet
+        # has no experiment, and reading it would create it beside the starting server.
+        store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+        table = pool.submit(lambda: f"{base} (no experiment {cfg.experiment!r} yet: run `make "
+                            "repro` first)" if store and not store.exists()
+                            else tracking.experiment_url(cfg, base))
+        with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
+                     f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`; its log: "
+                     f"{log}") as server:
+            # The UI's own home page and run links without workflowType open in GenAI mode; this
+            # address is the classic runs table, which MLflow keeps while you click within it.
+            print(f"MLflow UI ready on {base} (Ctrl-C stops it); its home page opens in GenAI "
+                  "mode, the training runs are at:")
+            print(table.result(), flush=True)
+            server.wait()
 
 if __name__ == "__main__":
     run_stage(main)

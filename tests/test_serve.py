@@ -19,6 +19,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -96,12 +97,18 @@ def with_ghostscript(env: dict, called: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(champion, ghostscript):
+def server(champion, ghostscript, tmp_path_factory):
     """`python -m stages.serve` (what `make serve` runs) on a free port, in its own process
-    group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server."""
+    group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server.
+    A symlink waits at the log's old, guessable name (test_the_log_is_private)."""
     w, env = champion
     env = with_ghostscript(env, ghostscript)
     port = free_port()
+    planted = Path(tempfile.gettempdir()) / f"reprotrain-serve-{port}.log"
+    victim = tmp_path_factory.mktemp("victim") / "victim.txt"
+    victim.write_text("untouched\n")
+    planted.unlink(missing_ok=True)
+    planted.symlink_to(victim)
     # SIGINT as a terminal leaves it: a suite started in the background (`make test &`)
     # inherits it ignored, and the server would never see the Ctrl-C under test.
     proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--port", str(port)], cwd=w,
@@ -115,8 +122,10 @@ def server(champion, ghostscript):
             if line.startswith("curl "):
                 break
         assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
-        yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines}
+        yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines,
+               "planted": planted, "victim": victim}
     finally:
+        planted.unlink(missing_ok=True)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -418,6 +427,14 @@ def test_dockerfile_names_the_locked_versions_and_the_pyfunc_server(in_workspace
                             ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")]
     assert sorted(p.name for p in (out / "model_dir/model/code/stages").iterdir()) == \
         ["__init__.py", "cli.py", "config.py", "images.py", "predict.py"]
+
+
+def test_the_log_is_private(server):
+    """Root writing its log through a symlink another user planted at /tmp/NAME-PORT.log would
+    overwrite what it points at: the log is in a new 0700 folder."""
+    assert server["victim"].read_text() == "untouched\n" and server["planted"].is_symlink()
+    log = Path(server["out"][0].split("(its log: ", 1)[1].split(")", 1)[0])
+    assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
 
 
 def test_ctrl_c_stops_the_server(server):

@@ -1,0 +1,61 @@
+"""`make ui` for real: a local MLflow UI on a store of this session, as a user starts it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import ROOT, env_with
+from tests.services import free_port
+
+
+def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_uri):
+    """No address before the server answers (one opened early is an error page), then the
+    home and the runs table at once; its log in a private folder, never through a symlink
+    planted at a guessable /tmp name."""
+    import mlflow
+
+    from stages.config import load_params
+
+    db = tmp_path / "mlflow.db"
+    shutil.copy(mlflow_uri.removeprefix("sqlite:///"), db)
+    exp_id = mlflow.MlflowClient(f"sqlite:///{db}").create_experiment(
+        load_params().mlflow.experiment, artifact_location=(tmp_path / "art").as_uri())
+    port = free_port()
+    planted = Path(tempfile.gettempdir()) / f"reprotrain-ui-{port}.log"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    planted.unlink(missing_ok=True)
+    planted.symlink_to(victim)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.ui", "--port", str(port)], cwd=ROOT,
+                            env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{db}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        lines, times = [], []
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            times.append(time.monotonic())
+            if line.startswith("http://"):
+                break
+        base = f"http://127.0.0.1:{port}"
+        assert len(lines) == 3 and "http://" not in lines[0], lines
+        assert lines[1].startswith(f"MLflow UI ready on {base} (Ctrl-C stops it)"), lines
+        assert lines[2].startswith(f"{base}/#/experiments/{exp_id}/runs?"), lines
+        assert times[2] - times[1] < 2, "the runs table's address came late"
+        with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+            assert r.status == 200
+        log = Path(lines[0].split("its log: ", 1)[1].rstrip(")"))
+        assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
+        assert victim.read_text() == "untouched\n" and planted.is_symlink()
+    finally:
+        planted.unlink(missing_ok=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
