@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
-from stages.redact import masked
-from stages.ui import started
+from stages.config import load_params
+from stages.redact import holds_password, masked
+from stages.tracking import reason
+from stages.ui import last_lines, private_folder, started
 
 # Logged-in users may browse every experiment and log only where they created the experiment or
 # were granted EDIT: a team shares its results, and a colleague's typo does not overwrite them.
@@ -36,37 +38,48 @@ DEFAULT_PERMISSION = "READ"
 DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
 MIN_PASSWORD = 12  # MLflow's own rule for basic-auth passwords
 MIN_SECRET = 32  # the Flask session/CSRF key: 32 characters, as `secrets.token_hex(16)` gives
+LEGACY_PASSWORD = "password1234"  # older MLflow's shipped admin password, refused by MLflow 3
 
 
 def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tuple[str, str]:
     """The artifacts destination (a local folder made absolute) and the admin's name; every
-    problem ends here in one line, before anything starts."""
-    if not db:
-        raise UserError("no database: `make server DB=postgresql://USER@HOST/DB ...` (README: "
-                        "A team's tracking server); the password goes in PGPASSWORD or ~/.pgpass")
-    scheme = urlsplit(db).scheme.split("+")[0]
-    if scheme not in DATABASES:
-        raise UserError(f"DB={masked(db)} is not a database URI; use postgresql://USER@HOST/DB "
-                        f"(or another of {', '.join(DATABASES)})")
-    if not artifacts:
-        raise UserError("no artifacts destination: `make server ARTIFACTS=/srv/mlartifacts` (a "
-                        "folder on the server) or ARTIFACTS=s3://bucket/path")
+    problem ends here, one line each, before anything starts."""
     env = os.environ
     user, password = env.get("MLFLOW_TRACKING_USERNAME", ""), env.get("MLFLOW_TRACKING_PASSWORD", "")
+    mistakes = []
+    if not db:
+        mistakes.append("no database: `make server DB=postgresql://USER@HOST/DB ...` (README: A "
+                        "team's tracking server); the password goes in PGPASSWORD or ~/.pgpass")
+    elif holds_password(db):
+        # The URI is on the command line of this process, `mlflow db upgrade` and the server for
+        # as long as it runs: `ps` shows it to every user of the machine.
+        mistakes.append(f"DB={masked(db)} holds a password, which `ps` shows to every user: take "
+                        "it out of DB and put it in ~/.pgpass (0600) or PGPASSWORD")
+    elif urlsplit(db).scheme.split("+")[0] not in DATABASES:
+        mistakes.append(f"DB={masked(db)} is not a database URI; use postgresql://USER@HOST/DB "
+                        f"(or another of {', '.join(DATABASES)})")
+    if not artifacts:
+        mistakes.append("no artifacts destination: `make server ARTIFACTS=/srv/mlartifacts` (a "
+                        "folder on the server) or ARTIFACTS=s3://bucket/path")
     if not user or not password:
-        raise UserError("MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD must be set: the "
+        mistakes.append("MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD must be set: the "
                         "first start creates that admin (there is no default password)")
-    if len(password) < MIN_PASSWORD:
-        raise UserError(f"MLFLOW_TRACKING_PASSWORD is too short: MLflow wants at least "
+    elif password == LEGACY_PASSWORD:
+        mistakes.append("MLFLOW_TRACKING_PASSWORD is the default password of older MLflow "
+                        "versions, which everyone knows and MLflow refuses: choose another")
+    elif len(password) < MIN_PASSWORD:
+        mistakes.append(f"MLFLOW_TRACKING_PASSWORD is too short: MLflow wants at least "
                         f"{MIN_PASSWORD} characters")
     if len(env.get("MLFLOW_FLASK_SERVER_SECRET_KEY", "")) < MIN_SECRET:
-        raise UserError(f"MLFLOW_FLASK_SERVER_SECRET_KEY must be set to at least {MIN_SECRET} random "
-                        "characters, the same on every server process: export "
+        mistakes.append(f"MLFLOW_FLASK_SERVER_SECRET_KEY must be set to at least {MIN_SECRET} "
+                        "random characters, the same on every server process: export "
                         "MLFLOW_FLASK_SERVER_SECRET_KEY=$(python3 -c 'import secrets; "
                         "print(secrets.token_hex(32))')")
     if host not in ("127.0.0.1", "localhost", "::1") and not allowed_hosts:
-        raise UserError(f"HOST={host} needs ALLOWED_HOSTS: the names clients reach the server by "
+        mistakes.append(f"HOST={host} needs ALLOWED_HOSTS: the names clients reach the server by "
                         "(e.g. ALLOWED_HOSTS=mlflow.example.com); other Host headers are refused")
+    if mistakes:  # run_stage prefixes the first line with "error: "
+        raise UserError("\nerror: ".join(mistakes))
     if urlsplit(artifacts).scheme in ("", "file"):
         folder = Path(artifacts.removeprefix("file://")).expanduser().resolve()
         try:
@@ -107,16 +120,60 @@ def upgrade(db: str) -> None:
                     f"{last[-1] if last else 'no output'}")
 
 
-def auth_config(db: str, admin: str) -> Path:
+def auth_config(folder: Path, db: str, admin: str) -> Path:
     """basic-auth's ini: its tables in the same database (own alembic_version_auth table), one
-    database to back up. 0600 and deleted on exit: the URI may carry the database's password.
-    The admin's password is not in it: the server gets it as MLFLOW_AUTH_ADMIN_PASSWORD."""
-    fd, name = tempfile.mkstemp(prefix="reprotrain-basic-auth-", suffix=".ini")  # 0600
-    with os.fdopen(fd, "w") as f:
+    database to back up. In the command's private folder, deleted on exit. Neither the
+    database's password (never in DB) nor the admin's (the server gets it as
+    MLFLOW_AUTH_ADMIN_PASSWORD) is in it."""
+    ini = folder / "basic-auth.ini"
+    with os.fdopen(os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(f"[mlflow]\ndefault_permission = {DEFAULT_PERMISSION}\n"
                 f"database_uri = {db.replace('%', '%%')}\nadmin_username = {admin}\n"
                 "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    return Path(name)
+    return ini
+
+
+def apply_admin_password(db: str, admin: str, password: str) -> bool:
+    """Whether the admin, already in the database, had another password and now has this one.
+    MLflow creates the admin on the first start only; a later start with a new
+    MLFLOW_TRACKING_PASSWORD would leave the old one working, which is not what the person who
+    changed it means."""
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore()
+    try:
+        store.init_db(db)  # basic-auth's own tables and migrations, as the server would make them
+    except Exception as e:  # noqa: BLE001 - the database refused: one line, the URI masked
+        raise UserError(f"cannot open basic-auth's tables in DB={masked(db)}: {reason(e)}") from None
+    try:
+        if not store.has_user(admin, use_primary=True) or store.authenticate_user(
+                admin, password, use_primary=True):
+            return False
+        store.update_user(admin, password=password)
+        return True
+    finally:
+        store.engine.dispose()
+
+
+def claim_names(url: str, experiment: str, model: str) -> None:
+    """The experiment and registered model every clone logs to and `make serve` serves from,
+    created by the admin before anyone else can: whoever creates one owns it (MANAGE), so a
+    member who came first would own the champion. Members log there once granted EDIT."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from stages.tracking import EXPERIMENT_TAGS
+    client = mlflow.MlflowClient(url)
+    try:
+        if client.get_experiment_by_name(experiment) is None:
+            client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
+        try:
+            client.get_registered_model(model)
+        except MlflowException:
+            client.create_registered_model(model)
+    except MlflowException as e:
+        raise UserError(f"cannot create experiment {experiment!r} and registered model {model!r} "
+                        f"as the admin: {reason(e)}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,12 +189,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="seconds to wait for the server to answer")
     args = ap.parse_args(argv)
     artifacts, admin = check_inputs(args.db, args.artifacts, args.host, args.allowed_hosts)
+    names = load_params()  # the experiment and registered model to claim for the admin
     if not args.port.isdigit() or not 0 < int(args.port) < 65536:
         raise UserError(f"PORT={args.port!r} is not a port: `make server PORT=5000 ...`")
     args.port = int(args.port)
     check_port(args.host, args.port)
     print(f"mlflow db upgrade {masked(args.db)}", flush=True)
     upgrade(args.db)
+    if apply_admin_password(args.db, admin, os.environ["MLFLOW_TRACKING_PASSWORD"]):
+        print(f"the admin {admin!r} had another password: it is now MLFLOW_TRACKING_PASSWORD's, "
+              "and the old one no longer logs in", flush=True)
 
     # Host headers: loopback for clients on this machine (and the health check), then the names
     # given; anything else (DNS rebinding) is refused.
@@ -145,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
                       *filter(None, args.allowed_hosts.split(","))])
     shown = args.host if args.host not in ("0.0.0.0", "::") else args.allowed_hosts.split(",")[0]
     url = f"http://{shown}:{args.port}"
-    ini = auth_config(args.db, admin)
-    log = Path(tempfile.gettempdir()) / f"reprotrain-server-{args.port}.log"
+    folder = private_folder("server")
+    ini, log = auth_config(folder, args.db, admin), folder / "server.log"
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI",)}
     env.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_AUTH_ADMIN_USERNAME=admin,
                MLFLOW_AUTH_ADMIN_PASSWORD=os.environ["MLFLOW_TRACKING_PASSWORD"],
@@ -161,15 +222,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"starting the MLflow server on {args.host}:{args.port} (its log: {log})", flush=True)
     try:
         with started("MLflow server", cmd, env, log, f"http://127.0.0.1:{args.port}/health",
-                     args.timeout, f"is port {args.port} taken? its log: {log}") as server:
+                     args.timeout, f"its log: {log}") as server:
+            claim_names(f"http://127.0.0.1:{args.port}", names.mlflow.experiment,
+                        names.export.register_as)
             print(f"MLflow server ready on {url} (Ctrl-C stops it); runs in {masked(args.db)}, "
                   f"artifacts in {artifacts}. Each client, before make repro / dvc exp run:\n"
                   f"  export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user>\n"
                   "  export MLFLOW_TRACKING_PASSWORD=<password>   # e.g. read -rs "
                   "MLFLOW_TRACKING_PASSWORD; export MLFLOW_TRACKING_PASSWORD\n"
-                  f"Users and permissions: README, A team's tracking server ({admin} is the admin)",
-                  flush=True)
-            server.wait()
+                  f"Users and permissions: README, A team's tracking server ({admin} is the "
+                  f"admin; experiment {names.mlflow.experiment!r} and registered model "
+                  f"{names.export.register_as!r} are the admin's: grant members EDIT)", flush=True)
+            code = server.wait()
+            # Only a server that ended on its own gets here: Ctrl-C and SIGTERM end this process.
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise UserError(f"the MLflow server stopped by itself ({how}: {last_lines(log)}); "
+                            f"its log: {log}")
     except UserError as e:  # the log's last lines may hold the database URI
         raise UserError(masked(str(e))) from None
     finally:

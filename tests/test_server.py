@@ -8,6 +8,7 @@ import multiprocessing
 import secrets
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -71,6 +72,34 @@ def test_make_server_refuses_each_missing_input_in_one_line(tmp_path):
     assert not (tmp_path / "never.db").exists()  # refused before anything was made
 
 
+def test_every_mistake_is_a_line_and_a_password_in_db_is_refused_unseen(tmp_path):
+    """`ps` shows DB= to every user for the server's life: a password there, in any form, is
+    refused naming the fix, without showing it; several mistakes are one line each."""
+    env = server_env("admin", "a-long-enough-password")
+    art = str(tmp_path / "art")
+    secret = "db-secret-9f3"
+    for db in (f"postgresql://mlflow:{secret}@127.0.0.1:1/mlflow",
+               f"postgresql://mlflow@127.0.0.1:1/mlflow?sslmode=disable&password={secret}",
+               f"host=127.0.0.1 port=1 password='{secret} x' dbname=mlflow"):
+        p = start_server("--db", db, "--artifacts", art, "--port", "5999", env=env)
+        line = one_error_line(p)
+        assert "holds a password, which `ps` shows" in line and "~/.pgpass" in line, line
+        assert secret not in p.stdout + p.stderr and "***" in line
+    p = start_server("--db", "postgresql://mlflow@127.0.0.1:1/mlflow", "--artifacts", art,
+                     "--port", "5999", env={**env, "MLFLOW_TRACKING_PASSWORD": "short",
+                                            "MLFLOW_FLASK_SERVER_SECRET_KEY": "abc"})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 2 and all(x.startswith("error: ") for x in lines)
+    assert "MLFLOW_TRACKING_PASSWORD is too short" in lines[0]
+    assert "MLFLOW_FLASK_SERVER_SECRET_KEY must be set" in lines[1]
+    # MLflow's old default: refused here, not by a traceback tail from the server's start.
+    line = one_error_line(start_server("--db", "postgresql://mlflow@127.0.0.1:1/mlflow",
+                                       "--artifacts", art, "--port", "5999",
+                                       env={**env, "MLFLOW_TRACKING_PASSWORD": "password1234"}))
+    assert "default password of older MLflow versions" in line and "choose another" in line
+    assert not (tmp_path / "art").exists()
+
+
 def test_a_schema_from_a_newer_mlflow_is_refused_in_one_line(postgres, tmp_path):  # noqa: F811
     db = create_database(postgres, f"stale_{secrets.token_hex(4)}")
     subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", db], check=True,
@@ -79,13 +108,10 @@ def test_a_schema_from_a_newer_mlflow_is_refused_in_one_line(postgres, tmp_path)
 
     with psycopg.connect(db, autocommit=True) as conn:  # as a newer MLflow's migration leaves it
         conn.execute("UPDATE alembic_version SET version_num = 'f0e1d2c3b4a5'")
-    # A password in the URI (trust auth ignores it) must not be echoed.
-    with_password = db.replace("postgres@", "postgres:db-secret-9f3@")
-    p = start_server("--db", with_password, "--artifacts", str(tmp_path / "art"), "--port", "5999",
+    p = start_server("--db", db, "--artifacts", str(tmp_path / "art"), "--port", "5999",
                      env=server_env("admin", "a-long-enough-password"))
     line = one_error_line(p)
     assert "schema revision f0e1d2c3b4a5, which MLflow" in line and "newer MLflow" in line
-    assert "db-secret-9f3" not in p.stdout + p.stderr and "postgres:***@" in line
     assert "starting the MLflow server" not in p.stdout
 
 
@@ -315,10 +341,7 @@ def test_two_clones_run_their_queues_at_once(server, tmp_path, monkeypatch):
 def test_no_password_in_the_servers_output_or_log(server):
     """After the tests above logged in, refused logins and created users: what `make server`
     printed and the server's own log hold neither password."""
-    import tempfile
-
-    port = server.uri.rsplit(":", 1)[1]
-    own_log = Path(tempfile.gettempdir()) / f"reprotrain-server-{port}.log"
+    own_log = Path(server.log.read_text().split("(its log: ", 1)[1].split(")", 1)[0])
     assert "Created admin user 'admin'" in own_log.read_text()
     for text in (server.log.read_text(), own_log.read_text()):
         assert server.password not in text and "reader-password-1" not in text
@@ -356,3 +379,133 @@ def test_a_run_json_naming_a_run_the_server_lacks_gets_a_run_of_its_own(server, 
     assert "may not write here" not in p.stderr and "failed" not in p.stderr, p.stderr
     runs = client.search_runs([exp_id], f"tags.training_run_id = '{missing}'")
     assert len(runs) == 1 and "eval/accuracy" in runs[0].data.metrics  # the evaluation landed
+
+
+def test_the_names_every_clone_uses_are_the_admins_before_anyone_logs_in(server):
+    """Whoever creates the experiment or the registered model owns it, and `make serve` serves
+    that model's champion: `make server` creates both as the admin, so a member who logs in
+    first cannot take them; once granted EDIT (README), members log there."""
+    import mlflow
+    import mlflow.server
+
+    from stages.config import load_params
+
+    params = load_params()
+    experiment, model = params.mlflow.experiment, params.export.register_as
+    auth = mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+        env.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+        auth.create_user("squatter", "squatter-password-1")
+    admin = mlflow.MlflowClient(server.uri)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_USERNAME", "squatter")
+        env.setenv("MLFLOW_TRACKING_PASSWORD", "squatter-password-1")
+        client = mlflow.MlflowClient(server.uri)
+        exp = client.get_experiment_by_name(experiment)
+        assert exp is not None and client.get_registered_model(model).name == model
+        assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+        for take in (lambda: client.create_experiment(experiment),
+                     lambda: client.create_registered_model(model),
+                     lambda: client.create_run(exp.experiment_id),
+                     lambda: client.set_registered_model_tag(model, "owner", "squatter")):
+            with pytest.raises(mlflow.MlflowException):
+                take()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+        env.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+        assert "owner" not in admin.get_registered_model(model).tags
+
+
+def start_own_server(db: str, folder: Path, port: int, password: str) -> tuple[subprocess.Popen, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"server-{len(list(folder.glob('server-*.out')))}.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.server", "--db", db, "--artifacts",
+                                 folder / "artifacts", "--port", str(port), "--workers", "1"],
+                                cwd=ROOT, env=server_env("admin", password), stdout=f,
+                                stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while "MLflow server ready" not in out.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+        time.sleep(0.5)
+    return proc, out
+
+
+def login_status(uri: str, user: str, password: str) -> int:
+    import base64
+    import urllib.error
+    import urllib.request
+
+    login = base64.b64encode(f"{user}:{password}".encode()).decode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(
+                f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
+                headers={"Authorization": f"Basic {login}"}), timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_server_lives_and_dies_with_its_command(postgres, tmp_path):  # noqa: F811
+    """Its log is in a private folder (a symlink planted at the old /tmp name is not
+    followed), no secret is on a command line, SIGKILL of `make server` ends every server
+    process, a restart with a new admin password applies it, and the server dying is one line."""
+    import tempfile
+
+    import psutil
+
+    from tests.services import free_port
+
+    db = create_database(postgres, f"life_{secrets.token_hex(4)}")
+    port, uri = free_port(), ""
+    planted = Path(tempfile.gettempdir()) / f"reprotrain-server-{port}.log"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    planted.unlink(missing_ok=True)
+    planted.symlink_to(victim)
+    old_pw, new_pw = f"old-{secrets.token_hex(8)}", f"new-{secrets.token_hex(8)}"
+    procs = []
+    try:
+        first, out = start_own_server(db, tmp_path / "s", port, old_pw)
+        procs.append(first)
+        uri = f"http://127.0.0.1:{port}"
+        log = Path(out.read_text().split("(its log: ", 1)[1].split(")", 1)[0])
+        assert victim.read_text() == "untouched\n" and planted.is_symlink()
+        assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
+        assert not log.parent.name.endswith(str(port))  # not a name one can plant beforehand
+        ini = log.parent / "basic-auth.ini"
+        assert old_pw not in ini.read_text()
+        children = psutil.Process(first.pid).children(recursive=True)
+        assert len(children) >= 2  # mlflow's command, uvicorn and its worker
+        for child in children:
+            cmdline = Path(f"/proc/{child.pid}/cmdline").read_bytes()
+            assert old_pw.encode() not in cmdline and b"assword" not in cmdline
+
+        first.kill()  # SIGKILL: nothing of `make server` runs to stop the server
+        first.wait()
+        gone, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+        assert not ini.exists() or old_pw not in ini.read_text()
+
+        second, out = start_own_server(db, tmp_path / "s", port, new_pw)
+        procs.append(second)
+        said = out.read_text()
+        assert "the admin 'admin' had another password: it is now MLFLOW_TRACKING_PASSWORD's" in said
+        assert login_status(uri, "admin", new_pw) == 200
+        assert login_status(uri, "admin", old_pw) == 401
+        assert old_pw not in said and new_pw not in said
+
+        (mlflow_cmd,) = psutil.Process(second.pid).children()
+        mlflow_cmd.kill()  # as the OOM killer would
+        second.wait(timeout=60)
+        lines = out.read_text().strip().splitlines()
+        assert second.returncode == 1, lines
+        assert lines[-1].startswith("error: the MLflow server stopped by itself (killed by SIGKILL")
+        assert f"its log: {out.read_text().split('(its log: ')[-1].split(')')[0]}" in lines[-1]
+    finally:
+        planted.unlink(missing_ok=True)
+        for proc in procs:
+            for p in [proc, *psutil.Process(proc.pid).children(recursive=True)] if \
+                    proc.poll() is None else []:
+                p.kill()
