@@ -11,6 +11,7 @@ it starts nothing: it prints that server's runs table. `started` also runs `make
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 from stages import tracking
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import load_params
+from stages.redact import masked
 
 
 def answers(url: str) -> bool:
@@ -60,13 +62,16 @@ def last_lines(log: Path, n: int = 3) -> str:
     return " / ".join(tail) or "no output"
 
 
+# Looked up here, not in the forked child: another thread (make ui's) may hold a lock the child
+# would need to import or load anything.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
 def _die_with_parent(parent: int) -> None:
     """In the child, before exec: SIGTERM when this command dies, even by SIGKILL, which leaves
     it no chance to stop the server (that then forwards the signal to its workers)."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the line above
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             where = tracking.experiment_url(cfg, uri)
         except Exception as e:  # noqa: BLE001 - a refused login or a server that is down
             where = f"{uri} ({tracking.refusal(e) or tracking.reason(e)})"
-        print(f"runs are on the tracking server: open {where}")
+        print(f"runs are on the tracking server: open {masked(where)}")
         return
     base, hosts = f"http://127.0.0.1:{args.port}", f"127.0.0.1:{args.port},localhost:{args.port}"
     log = private_folder("ui") / "ui.log"
