@@ -138,7 +138,11 @@ def apply_admin_password(db: str, admin: str, password: str) -> bool:
     MLflow creates the admin on the first start only; a later start with a new
     MLFLOW_TRACKING_PASSWORD would leave the old one working, which is not what the person who
     changed it means."""
-    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+    import warnings
+
+    with warnings.catch_warnings():  # Starlette's, about MLflow's code: not the user's to fix
+        warnings.filterwarnings("ignore", "starlette.middleware.wsgi is deprecated")
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
 
     store = SqlAlchemyStore()
     try:
