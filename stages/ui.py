@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         # The runs table's address (MLflow imported, the store read) while the server starts, so
         # that both addresses come together once it answers. A store that does not exist yet
         # has no experiment, and reading it would create it beside the starting server.
-        store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+        store = uri.removeprefix("sqlite:///").split("?", 1)[0]  # the default has ?timeout=
+        new = uri.startswith("sqlite:///") and not store.startswith("file:") and \
+            not Path(store).exists()
         table = pool.submit(lambda: f"{base} (no experiment {cfg.experiment!r} yet: run `make "
-                            "repro` first)" if store and not store.exists()
-                            else tracking.experiment_url(cfg, base))
+                            "repro` first)" if new else tracking.experiment_url(cfg, base))
         with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
                      f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`; its log: "
                      f"{log}") as server:
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                   "mode, the training runs are at:")
             print(table.result(), flush=True)
             server.wait()
+
 
 if __name__ == "__main__":
     run_stage(main)

@@ -35,7 +35,7 @@ def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_
     planted.unlink(missing_ok=True)
     planted.symlink_to(victim)
     proc = subprocess.Popen([sys.executable, "-m", "stages.ui", "--port", str(port)], cwd=ROOT,
-                            env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{db}"),
+                            env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{db}?timeout=60"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
