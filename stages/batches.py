@@ -22,7 +22,7 @@ from stages.data import Split
 Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class BatchPlan:
     sizes: list[int]  # this process's micro-batch sizes, the same every epoch
     accumulate: int  # micro-batches per optimizer step
@@ -41,7 +41,7 @@ def plan_batches(n: int, batch_size: int, world: int, accumulate: int) -> BatchP
     sizes = [min(local_bs, per_rank - i) for i in range(0, per_rank, local_bs)]
     if len(sizes) > 1 and sizes[-1] == 1:
         sizes.pop()  # a batch of one breaks BatchNorm's batch statistics
-    return BatchPlan(sizes, accumulate)
+    return BatchPlan(sizes=sizes, accumulate=accumulate)
 
 
 def windows(batches: Iterator, plan: BatchPlan) -> Iterator[list]:

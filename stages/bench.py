@@ -100,7 +100,8 @@ def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int
     with contextlib.suppress(OSError, AttributeError):  # not glibc: the base is then higher
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     base = proc_status_mb("VmRSS") if reset_peak_mem(device) else None
-    result = train(model, Job(tr, val, mean, std, cfg, lr, 2, batch_size, seed),
+    result = train(model, Job(train=tr, val=val, mean=mean, std=std, cfg=cfg, lr=lr, epochs=2,
+                              batch_size=batch_size, seed=seed),
                    RunIO(progress=False, verbose=False))
     first, second = result.history
     # train() restarts the peak every epoch: this is the timed second epoch's.

@@ -76,7 +76,7 @@ class OutOfMemory(UserError, RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """What to train on and how, and this process's place in an initialized torch.distributed
     group (DDP)."""
@@ -93,7 +93,7 @@ class Job:
     world: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunIO:
     """What the run reads and writes besides the model: its log, its checkpoints (and the one
     it resumes from), its printout."""
@@ -105,7 +105,7 @@ class RunIO:
     verbose: bool = True  # a line per epoch, and why it stopped early
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     model: nn.Module  # the uncompiled module holding the best (or EMA) weights
     history: list[dict] = field(default_factory=list)
@@ -120,7 +120,7 @@ class TrainResult:
     loop_s: float = 0.0  # the epochs, set-up excluded
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Setup:
     """What stays fixed for the whole run, derived from the job."""
     job: Job
@@ -141,7 +141,7 @@ class Setup:
         return self.job.cfg
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Parts:
     """What the steps update."""
     model: nn.Module  # the plain module: its weights are what is saved
@@ -159,7 +159,7 @@ class Parts:
         return self.ema.module if self.ema is not None else self.model
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopState:
     """Everything besides the modules that a checkpoint carries, so that a resumed run ends
     where an uninterrupted one would."""
@@ -256,10 +256,11 @@ def set_up(job: Job) -> Setup:
         keep = epoch_order(len(train_split.y), job.seed, 0)[:cfg.overfit_batches * job.batch_size]
         train_split = Split(train_split.x[keep], train_split.y[keep])
     plan = plan_batches(len(train_split.y), job.batch_size, job.world, cfg.accumulate)
-    return Setup(job, device, resolve_precision(cfg.precision, device), fmt,
-                 torch.tensor(job.mean, device=device), torch.tensor(job.std, device=device),
-                 train_split, not overfit, 0 if overfit else cfg.augment_crop_pad,
-                 cfg.augment_hflip and not overfit, loader, plan)
+    return Setup(job=job, device=device, precision=resolve_precision(cfg.precision, device),
+                 fmt=fmt, mean=torch.tensor(job.mean, device=device),
+                 std=torch.tensor(job.std, device=device), train=train_split, shuffle=not overfit,
+                 pad=0 if overfit else cfg.augment_crop_pad,
+                 hflip=cfg.augment_hflip and not overfit, loader=loader, plan=plan)
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -295,9 +296,10 @@ def build_parts(model: nn.Module, setup: Setup) -> Parts:
             p.grad = torch.zeros_like(p)
     # Loss scaling only for fp16: bf16 has fp32's exponent range, gradients do not underflow.
     scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
-    return Parts(model, net, ddp, ema, build_optimizer(model, cfg, lr, device), scaler,
-                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-                 Schedule(cfg, lr, setup.plan.steps_per_epoch, setup.job.epochs))
+    return Parts(model=model, net=net, ddp=ddp, ema=ema,
+                 optimizer=build_optimizer(model, cfg, lr, device), scaler=scaler,
+                 criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                 schedule=Schedule(cfg, lr, setup.plan.steps_per_epoch, setup.job.epochs))
 
 
 # ---------------------------------------------------------------- one epoch, one step
@@ -541,9 +543,10 @@ def restore(ckpt: dict, parts: Parts, setup: Setup) -> LoopState:
             parts.ema.load_state_dict(ckpt["ema"])
         parts.schedule.load_state_dict(ckpt["schedule"])
         was = (ckpt["device"], ckpt["precision"])
-        state = LoopState(ckpt["epoch"], ckpt["step"], ckpt["bad_epochs"], list(ckpt["history"]),
-                          tuple(ckpt["best_score"]), ckpt["best_epoch"], ckpt["best_state"],
-                          Path(ckpt["path"]) if "path" in ckpt else None)
+        state = LoopState(epoch=ckpt["epoch"], step=ckpt["step"], bad_epochs=ckpt["bad_epochs"],
+                          history=list(ckpt["history"]), best_score=tuple(ckpt["best_score"]),
+                          best_epoch=ckpt["best_epoch"], best_state=ckpt["best_state"],
+                          last_ckpt=Path(ckpt["path"]) if "path" in ckpt else None)
     except (KeyError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{ckpt.get('path', 'the checkpoint')} does not fit this run "
                               f"({type(e).__name__}: {e}); to start afresh, set train.resume: "

@@ -29,7 +29,7 @@ class CheckpointRefused(UserError, ValueError):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainedModel:
     weights: dict[str, torch.Tensor]  # the state_dict of the uncompiled module
     model_params: dict  # params.yaml's `model` section, as a dict
@@ -57,9 +57,10 @@ def writes(path: Path, model: nn.Module, model_cfg: ModelConfig, meta: dict,
            best_epoch: int) -> dict[Path, Callable[[Path], Any]]:
     """model.pt and its checksum, for files.atomic_write_all with the results that go with them.
     `meta`: the prepared data's meta.json (classes, normalization, image geometry)."""
-    trained = TrainedModel(model.state_dict(), dataclasses.asdict(model_cfg), meta["classes"],
-                           meta["mean"], meta["std"], meta["channels"], meta["image_size"],
-                           meta["resize"], best_epoch)
+    trained = TrainedModel(weights=model.state_dict(), model_params=dataclasses.asdict(model_cfg),
+                           classes=meta["classes"], mean=meta["mean"], std=meta["std"],
+                           channels=meta["channels"], image_size=meta["image_size"],
+                           resize=meta["resize"], best_epoch=best_epoch)
     return verified_writes(path, _to_file(trained))
 
 

@@ -83,9 +83,11 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         # pruner may stop the run: it exits trial.PRUNED_EXIT and DVC records nothing of it.
         log = trial.reporting(watch.wrap(run.log), rank, world)
         try:
-            job = Job(train_split, val_split, meta["mean"], meta["std"], params.train,
-                      params.lr, params.epochs, params.batch_size, params.seed, rank, world)
-            result = train(model, job, RunIO(log, ckpt_dir, resume, {"run_id": run.run_id}))
+            job = Job(train=train_split, val=val_split, mean=meta["mean"], std=meta["std"],
+                      cfg=params.train, lr=params.lr, epochs=params.epochs,
+                      batch_size=params.batch_size, seed=params.seed, rank=rank, world=world)
+            result = train(model, job, RunIO(log=log, ckpt_dir=ckpt_dir, resume=resume,
+                                             extra_state={"run_id": run.run_id}))
         except trial.Pruned as stop:
             run.set_tags({"pruned": "true", "pruned_at_epoch": stop.epoch})
             raise

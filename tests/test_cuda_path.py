@@ -147,9 +147,9 @@ def _ddp_worker(rank: int, world: int, init: str, data: dict, ckpt_dir: str, res
         val = data["val"][rank]  # each process its own validation split, when they differ
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            job = Job(data["train"], val, data["mean"], data["std"],
-                      TrainConfig(**{**CPU_FP32, **data["cfg"]}), 3e-3, data["epochs"], 32, 0,
-                      rank, world)
+            job = Job(train=data["train"], val=val, mean=data["mean"], std=data["std"],
+                      cfg=TrainConfig(**{**CPU_FP32, **data["cfg"]}), lr=3e-3,
+                      epochs=data["epochs"], batch_size=32, seed=0, rank=rank, world=world)
             result = train(model, job, RunIO(ckpt_dir=Path(ckpt_dir), resume=resume,
                                              progress=False, verbose=False))
         torch.save({"weights": result.model.state_dict(), "history": result.history,

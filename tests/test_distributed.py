@@ -19,8 +19,9 @@ def _worker(rank: int, world: int, init: str, data: dict, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        job = Job(data["train"], data["val"], data["mean"], data["std"],
-                  TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), 3e-3, 2, 32, 0, rank, world)
+        job = Job(train=data["train"], val=data["val"], mean=data["mean"], std=data["std"],
+                  cfg=TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), lr=3e-3, epochs=2,
+                  batch_size=32, seed=0, rank=rank, world=world)
         result = train(linear_model(), job, RunIO(progress=False, verbose=False))
         if rank == 0:
             torch.save(result.model.state_dict(), out)
@@ -36,8 +37,9 @@ def test_ddp_update_equals_the_single_process_global_batch(digits, tmp_path):
     out = tmp_path / "ddp.pt"
     torch.multiprocessing.spawn(_worker, args=(2, f"file://{tmp_path / 'pg'}", data, str(out)),
                                 nprocs=2)
-    job = Job(data["train"], data["val"], data["mean"], data["std"],
-              TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), 3e-3, 2, 32, 0)
+    job = Job(train=data["train"], val=data["val"], mean=data["mean"], std=data["std"],
+              cfg=TrainConfig(**{**CPU_FP32, "augment_crop_pad": 1}), lr=3e-3, epochs=2,
+              batch_size=32, seed=0)
     single = train(linear_model(), job, RunIO(progress=False, verbose=False)).model.state_dict()
     ddp = torch.load(out, weights_only=True)
     assert max((ddp[k] - single[k]).abs().max().item() for k in single) < 1e-5

@@ -155,11 +155,41 @@ def test_reduced_precision_paths_train(digits, precision):
     assert losses == pytest.approx([r["train_loss"] for r in reference.history], abs=0.01)
 
 
-def test_ema_label_smoothing_and_sgd_run(digits):
-    result = fit(cnn(), digits, n=256, epochs=2, ema=True, ema_decay=0.9, label_smoothing=0.1,
-                 optimizer="sgd", lr=0.05)
-    assert math.isfinite(result.history[-1]["val_loss"])
-    assert set(result.model.state_dict()) == set(cnn().state_dict())  # EMA wrapper unwrapped
+def test_ema_keeps_the_average_and_its_decay_counts(digits):
+    """Validation and the kept weights are the EMA's. Decay 0 averages nothing: the last
+    step's weights, as without EMA; decay 0.9 keeps other weights."""
+    plain = fit(cnn(), digits, n=256, epochs=2)
+    last = fit(cnn(), digits, n=256, epochs=2, ema=True, ema_decay=0.0)
+    averaged = fit(cnn(), digits, n=256, epochs=2, ema=True, ema_decay=0.9)
+    assert set(averaged.model.state_dict()) == set(cnn().state_dict())  # EMA wrapper unwrapped
+    assert max_diff(last.model, plain.model) < 1e-6
+    assert max_diff(averaged.model, plain.model) > 1e-3
+    assert averaged.history[-1]["val_loss"] != plain.history[-1]["val_loss"]
+
+
+def test_label_smoothing_puts_a_floor_under_the_training_loss(digits):
+    """Smoothed targets (0.1 over 10 classes) have an entropy of 0.50: no model's loss on them
+    goes lower, while the same run on plain targets goes well below it."""
+    floor = -(0.91 * math.log(0.91) + 9 * 0.01 * math.log(0.01))
+    plain = fit(cnn(), digits, epochs=4)
+    smoothed = fit(cnn(), digits, epochs=4, label_smoothing=0.1)
+    assert plain.history[-1]["train_loss"] < floor - 0.05
+    assert min(r["train_loss"] for r in smoothed.history) >= floor - 1e-4
+    assert smoothed.history[-1]["val_acc"] > 0.8  # it trained: the floor is the targets'
+
+
+def test_sgd_steps_by_lr_times_the_gradient(digits):
+    """optimizer: sgd, no momentum or decay: one step moves the weights by exactly lr times the
+    gradient (AdamW's step would be about lr per weight, whatever the gradient)."""
+    model = linear_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = 0.5
+    result = fit(model, digits, n=32, batch_size=32, lr=lr, optimizer="sgd", momentum=0.0,
+                 weight_decay=0.0, clip_grad_norm=0.0, warmup_epochs=0)
+    step = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before,
+                                                                 strict=True)])
+    assert result.history[0]["grad_norm"] > 1.0  # so clipping, were it on, would show
+    assert step.norm().item() == pytest.approx(lr * result.history[0]["grad_norm"], rel=1e-3)
 
 
 def test_early_stopping_and_plateau(digits):

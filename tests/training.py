@@ -33,15 +33,17 @@ def fit(model, digits, n: int | None = None, epochs: int = 1, batch_size: int = 
     tr = splits["train"]
     if n is not None:
         tr = Split(tr.x[:n], tr.y[:n])
-    return train(model, Job(tr, splits["val"], meta["mean"], meta["std"],
-                            TrainConfig(**{**CPU_FP32, **cfg}), lr, epochs, batch_size, seed),
-                 RunIO(log, progress=False))
+    return train(model, Job(train=tr, val=splits["val"], mean=meta["mean"], std=meta["std"],
+                            cfg=TrainConfig(**{**CPU_FP32, **cfg}), lr=lr, epochs=epochs,
+                            batch_size=batch_size, seed=seed),
+                 RunIO(log=log, progress=False))
 
 
 def fit_ckpt(model, digits, ckpt_dir, epochs: int, resume: dict | None = None, **cfg):
     splits, meta = digits
-    return train(model, Job(splits["train"], splits["val"], meta["mean"], meta["std"],
-                            TrainConfig(**{**CPU_FP32, **cfg}), 3e-3, epochs, 64, 0),
+    return train(model, Job(train=splits["train"], val=splits["val"], mean=meta["mean"],
+                            std=meta["std"], cfg=TrainConfig(**{**CPU_FP32, **cfg}), lr=3e-3,
+                            epochs=epochs, batch_size=64, seed=0),
                  RunIO(ckpt_dir=ckpt_dir, resume=resume, progress=False))
 
 
