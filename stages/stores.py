@@ -6,10 +6,16 @@ replays; imports no MLflow.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 from stages.config import repo_root
+
+# A server that does not answer, or answers 5xx, should cost seconds, not MLflow's default
+# minutes of retries: one retry (a proxy's or a restarting server's blip), then the spool.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 SPOOL = ".mlflow-spool"
 SERVER_RUN = "reprotrain.server_run_id"  # a spooled run continues this run of the server
@@ -35,18 +41,30 @@ def plain_uri(uri: str) -> str:
 
 
 def reachable(uri: str) -> bool:
-    """Whether the server answers at all (any HTTP status: a refusal is not an outage), within
-    PROBE_S: one quick look before minutes of MLflow's own retries."""
+    """Whether the server answers, within PROBE_S: one quick look before MLflow's own retries.
+    A refusal (401, 403) is an answer; a 5xx is not (a reverse proxy whose MLflow is gone
+    answers 502, a server without its database 503)."""
     import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(plain_uri(uri).rstrip("/") + "/health", timeout=PROBE_S):
             return True
-    except urllib.error.HTTPError:
-        return True
+    except urllib.error.HTTPError as e:
+        return e.code < 500
     except (OSError, ValueError):
         return False
+
+
+def outage(e: BaseException) -> bool:
+    """Whether a failed call is the server's failing rather than a refusal of the request (a
+    login, a permission, a bad value): down, hanging past MLFLOW_HTTP_REQUEST_TIMEOUT, 5xx after
+    MLflow's retries (its database stopped, a proxy whose MLflow is gone). What was to be logged
+    then goes to the spool."""
+    status = getattr(getattr(e, "response", None), "status_code", None)  # requests' HTTPError
+    if status is None and hasattr(e, "get_http_status_code"):  # an MlflowException
+        status = e.get_http_status_code()
+    return status is None or status >= 500
 
 
 def spool_synced(since: float) -> None:

@@ -41,6 +41,7 @@ from stages.stores import (
     SPOOL,
     SYNCED,
     is_server,
+    outage,
     plain_uri,
     reachable,
     spool_file,
@@ -48,9 +49,6 @@ from stages.stores import (
     spool_uri,
 )
 
-# A server that does not answer should cost seconds, not MLflow's default minutes of retries.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 # The async logging thread otherwise polls its queue with a 1 s timeout, and every flush (each
 # epoch, the end of the run, set_terminated) waits out that poll: 1.8 s of train's time at the
 # end alone. Buffering waits on the stop event instead, which a flush sets.
@@ -197,6 +195,9 @@ def _md5(path: Path) -> str:
 
 
 REPLAY_S = 30  # a stage replays the spool for at most this long before its own work
+# Servers this process saw fail (5xx, a hang): every later run of the process goes straight to
+# the spool, rather than waiting out MLflow's timeout and retries once more.
+FAILING: set[str] = set()
 
 
 def _spool_run(experiment: str, run_id: str | None, name: str, server: str):
@@ -247,8 +248,10 @@ def replay_spool(uri: str) -> None:
     try:
         report = sync(spool_uri(), uri, budget_s=REPLAY_S, unsynced_only=True)
     except Exception as e:  # noqa: BLE001 - the stage's own run comes first
-        print(f"warning: replaying the spool {SPOOL}/ to {plain_uri(uri)} failed ({reason(e)}); "
-              "`make sync` retries it", file=sys.stderr)
+        if outage(e):
+            FAILING.add(uri)
+        print(f"warning: replaying the spool {SPOOL}/ to {plain_uri(uri)} failed "
+              f"({refusal(e) or reason(e)}); `make sync` retries it", file=sys.stderr)
         return
     if not report.left:
         spool_synced(started)
@@ -300,8 +303,9 @@ class Tracker:
         `run_id`, the one run.json and checkpoints name."""
         import mlflow
 
-        if self.spooled or not is_server(self.uri) or (e is not None and reachable(self.uri)):
+        if self.spooled or not is_server(self.uri) or (e is not None and not outage(e)):
             return False
+        FAILING.add(self.uri)
         self.spooled, where = True, spool_uri()
         try:
             with timed("tracking_s"):
@@ -323,7 +327,8 @@ class Tracker:
                           "tracking, DVC outputs are unaffected", stacklevel=4)
             return False
         self.enabled = True
-        cause = re.search(r"\[Errno -?\d+\] [\w ]+|timed out", str(e)) if e else None
+        cause = re.search(r"\[Errno -?\d+\] [\w ]+|timed out|too many \d+ error responses",
+                          str(e)) if e else None
         print(f"warning: MLflow server {plain_uri(self.uri)} is unreachable"
               + (f" ({cause[0]})" if cause else "") + f"; this run is spooled to {SPOOL}/ "
               "(`make sync` sends it when the server is back; DVC outputs are unaffected)",
@@ -524,10 +529,12 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
     ended = None
     try:
         with timed("tracking_s"):
-            if is_server(tracker.uri) and not reachable(tracker.uri):
+            if is_server(tracker.uri) and (tracker.uri in FAILING or not reachable(tracker.uri)):
                 tracker._spool(None)
             else:
                 replay_spool(tracker.uri)
+                if tracker.uri in FAILING:  # the replay found it failing: no second wait
+                    raise ConnectionError(f"{plain_uri(tracker.uri)} failed during the replay")
                 mlflow.set_tracking_uri(tracker.uri)
                 with _store_lock(tracker.uri):
                     exp_id = _experiment_id(cfg.experiment, tracker.uri)
@@ -646,7 +653,7 @@ def _from_spool(cfg: MlflowConfig, link: dict, uri: str) -> dict:
     """run.json naming a run spooled from its start: once the server answers, the spool is
     replayed and the link names that run's copy on the server."""
     if link.get("tracking_uri") != plain_uri(spool_uri()) or not is_server(uri) \
-            or not reachable(uri):
+            or uri in FAILING or not reachable(uri):
         return link
     replay_spool(uri)
     try:
@@ -686,7 +693,7 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
 
     if not run_id:
         return "training ran without tracking (no run id)", None
-    if is_server(uri) and not reachable(uri):  # start_run spools, and says so once
+    if is_server(uri) and (uri in FAILING or not reachable(uri)):  # start_run spools, once
         return None, run_id
     try:
         mlflow.set_tracking_uri(uri)
@@ -696,8 +703,12 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
     except MlflowException as e:
         if e.error_code in MISSING_RUN:
             return f"its MLflow run {run_id} is not in {uri}", run_id
+        if is_server(uri) and outage(e):  # start_run spools at once, and says so
+            FAILING.add(uri)
         return None, run_id
-    except Exception:  # noqa: BLE001 - unreachable: start_run warns once
+    except Exception as e:  # noqa: BLE001 - unreachable: start_run warns once
+        if is_server(uri) and outage(e):
+            FAILING.add(uri)
         return None, run_id
     trained_by = run.data.tags.get("training_run_id", run_id)
     if run.info.lifecycle_stage == "deleted":

@@ -5,6 +5,7 @@ kill halfway; a workspace's own mlflow.db moved up with its registered model."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -23,7 +24,13 @@ import pytest
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
-from tests.services import free_port
+from tests.services import (
+    MlflowServer,
+    create_database,
+    free_port,
+    postgres,  # noqa: F401 - the fixture
+)
+from tests.services import mlflow_server as team_server
 
 
 def workspace(path: Path, digits, **params) -> Path:
@@ -351,3 +358,180 @@ def test_sync_to_a_server_that_does_not_answer_is_one_line(tmp_path):
                                                 MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"))
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
         p.stderr.strip()] and "does not answer" in p.stderr, p.stderr
+
+
+# ------------------------------------------------- issue 30: the team server failing, not down
+# Against the team's server as `make server` runs it: logins, on PostgreSQL.
+
+
+@pytest.fixture(scope="module")
+def team(postgres, tmp_path_factory) -> Iterator[tuple[MlflowServer, str]]:  # noqa: F811
+    """The basic-auth server and its database's URI (a test stops the database a while)."""
+    db = create_database(postgres, f"sync_{os.urandom(4).hex()}")
+    with team_server(db, tmp_path_factory.mktemp("team")) as server:
+        yield server, db
+
+
+def logged_in(server: MlflowServer, uri: str, w: Path, **extra: str) -> dict[str, str]:
+    """A stage's or sync's environment: the workspace `w`, the server at `uri` (it or a proxy
+    before it), logged in as the admin unless `extra` says otherwise."""
+    return env_with(**{"PYTHONPATH": str(ROOT), "DVC_ROOT": str(w), "MLFLOW_TRACKING_URI": uri,
+                       "MLFLOW_TRACKING_USERNAME": server.user,
+                       "MLFLOW_TRACKING_PASSWORD": server.password, **extra})
+
+
+class FaultyProxy:
+    """A real loopback reverse proxy before the server, as nginx would be: it forwards
+    (`mode = "forward"`), answers 502 to everything as when its MLflow is down (`"502"`), or
+    forwards /health and lets every API call hang (`"hang"`)."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import threading
+
+        self.mode, self.released = "forward", threading.Event()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def forward(self) -> None:
+                if proxy.mode == "502":
+                    self.send_error(502, "Bad Gateway")
+                    return
+                if proxy.mode == "hang" and not self.path.startswith("/health"):
+                    proxy.released.wait(120)
+                    self.close_connection = True
+                    return
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+                req = urllib.request.Request(upstream + self.path, data=body, method=self.command,
+                                             headers={k: v for k, v in self.headers.items()
+                                                      if k.lower() not in ("host", "connection")})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        status, headers, data = r.status, r.headers, r.read()
+                except urllib.error.HTTPError as e:
+                    status, headers, data = e.code, e.headers, e.read()
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads, self.server.block_on_close = True, False
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def faulty_proxy(upstream: str) -> Iterator[FaultyProxy]:
+    proxy = FaultyProxy(upstream)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@contextmanager
+def database_stopped(db: str) -> Iterator[None]:
+    """The server's PostgreSQL database refusing every connection, its open ones cut: what a
+    stopped database looks like to the server (its /health still answers 200)."""
+    import psycopg
+
+    cluster, name = db.rsplit("/", 1)
+
+    def allow(yes: bool) -> None:
+        with psycopg.connect(f"{cluster}/postgres", autocommit=True) as conn:
+            conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(yes).lower()}')
+            if not yes:
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                             "WHERE datname = %s", (name,))
+
+    allow(False)
+    try:
+        yield
+    finally:
+        allow(True)
+
+
+@pytest.fixture
+def admin(team, monkeypatch):
+    """This process's MLflow client logged in to the team server as its admin."""
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", team[0].user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", team[0].password)
+    import mlflow
+
+    return mlflow.MlflowClient(team[0].uri)
+
+
+def server_runs(client, experiment: str) -> list:
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id]) if exp else []
+
+
+FAILURES = ["502 from a proxy", "database stopped", "API hangs", "502 mid-run"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", FAILURES)
+def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, admin, tmp_path,
+                                                               digits):
+    """A server that answers but fails (502 from its proxy, 503 without its database, an API
+    that hangs; at the start or after an epoch) is an outage like a dead one: train says so
+    once, within seconds, and spools; run.json names the run; `make sync` then lands it on
+    the server once."""
+    import mlflow
+
+    server, db = team
+    experiment = f"fail-{FAILURES.index(failure)}-{os.urandom(3).hex()}"
+    w = workspace(tmp_path / "w", digits, epochs="3", **{"mlflow.experiment": experiment})
+    with contextlib.ExitStack() as faults, faulty_proxy(server.uri) as proxy:
+        if failure == "502 from a proxy":
+            proxy.mode = "502"
+        elif failure == "API hangs":
+            proxy.mode = "hang"
+        elif failure == "database stopped":
+            faults.enter_context(database_stopped(db))
+        t = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, text=True,
+                                env=logged_in(server, proxy.uri, w),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        if failure == "502 mid-run":
+            wait_for_epoch(proc, w, 1)
+            proxy.mode = "502"
+        out, err = proc.communicate(timeout=600)
+        took = time.perf_counter() - t
+    print(f"{failure}: train took {took:.1f}s")
+    assert proc.returncode == 0, err
+    assert err.count("is unreachable") == 1 and "spooled to .mlflow-spool/" in err, err
+    assert "continuing without tracking" not in err and "Traceback" not in err, err
+    link = json.loads((w / "models/train/run.json").read_text())
+    assert link["run_id"], link
+    spool = mlflow.MlflowClient(stores_spool(w))
+    assert spool.search_runs([spool.get_experiment_by_name(experiment).experiment_id])
+
+    p = run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
+    assert "synced 1 run(s)" in p.stdout, p.stdout
+    p = run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
+    assert "synced 0 run(s)" in p.stdout and "1 run(s) already there" in p.stdout
+    [r] = server_runs(admin, experiment)
+    assert r.info.status == "FINISHED" and r.data.params["epochs"] == "3"
+    if failure == "502 mid-run":  # the run began on the server: the spool's part merged into it
+        assert r.info.run_id == link["run_id"]
+    assert_history_once(admin, r.info.run_id, w)
+
+
+def stores_spool(w: Path) -> str:
+    return f"sqlite:///{w / '.mlflow-spool/mlflow.db'}"
+
