@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +40,14 @@ ALIASES_SET = "reprotrain.aliases_set"  # a version's aliases were decided (kill
 # Marks of the source that stay behind: the spool's own bookkeeping.
 LOCAL_TAGS = (stores.SERVER_RUN, stores.SYNCED)
 BATCH = 1000  # MLflow's limit of metrics per log_batch
+# What an MLflow sqlite store has (of this project's MLflow): a file without them is no store.
+STORE_TABLES = frozenset({"alembic_version", "experiments", "experiment_tags", "runs", "metrics",
+                          "latest_metrics", "params", "tags", "registered_models",
+                          "model_versions"})
+
+
+class Busy(UserError):
+    """Another sync holds the source's lock."""
 
 
 @dataclass
@@ -63,10 +74,106 @@ def label(uri: str) -> str:
     return f"{platform.node()}:{stores.plain_uri(uri).split('?')[0]}"
 
 
+@contextmanager
+def _lock(source: str, wait_s: float | None) -> Iterator[None]:
+    """One sync of a store at a time (a `make sync`, a stage's replay): each finds what the
+    target holds, then creates the rest, then marks the run sent, and two at once would both
+    find nothing and both create. An OS lock (flock) on a file beside the store, released by
+    the kernel when its holder dies (a SIGKILLed sync leaves no stale lock). `wait_s`: how
+    long to wait for the holder (None: until it is done); then Busy."""
+    import fcntl
+
+    if not source.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(source.removeprefix("sqlite:///").split("?")[0])
+    try:
+        f = open(db.with_name(db.name + ".sync-lock"), "a+")
+    except OSError:  # a read-only store's folder: nothing of it is marked, a rerun skips all
+        yield
+        return
+    with f:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Busy(f"another sync of {db.parent.name}/{db.name} is running (pid "
+                               f"{holder})") from None
+                if not said and wait_s is None:
+                    print(f"another sync of {db.parent.name}/{db.name} is running (pid {holder}): "
+                          "waiting for it to finish", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.2)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def damage(db: Path) -> str | None:
+    """What makes `db` no readable MLflow store (None: nothing): empty, not SQLite, damaged
+    pages, a table gone. Read-only: the file is never changed here."""
+    import sqlite3
+
+    if db.stat().st_size == 0:
+        return "it is empty (0 bytes)"
+    try:
+        con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+        try:
+            checked = con.execute("PRAGMA quick_check").fetchone()[0]
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        return f"sqlite: {e}"
+    if checked != "ok":
+        return f"sqlite: {checked}"
+    missing = sorted(STORE_TABLES - tables)
+    return f"its table(s) {', '.join(missing)} are missing" if missing else None
+
+
+def _check_source(source: str) -> None:
+    """A damaged source ends the sync in one line. The spool is moved aside first (and kept):
+    MLflow would otherwise make a fresh store in its place at the next stage, or fail in a
+    traceback on every sync."""
+    if not source.startswith("sqlite:///"):
+        return
+    db = Path(source.removeprefix("sqlite:///").split("?")[0])
+    if not db.is_file() or (problem := damage(db)) is None:
+        return
+    if db != stores.spool_file():
+        raise UserError(f"FROM={stores.plain_uri(source)}: {db} is not a readable MLflow store "
+                        f"({problem}); nothing was synced")
+    kept = db.with_name(f"{db.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+    db.rename(kept)
+    (db.parent / "unsynced").unlink(missing_ok=True)
+    raise UserError(f"the spool {db} is damaged ({problem}); nothing was synced, and it is kept "
+                    f"aside as {kept} (stages spool to a new one): restore it from a backup "
+                    "into place, or delete it, then rerun make sync")
+
+
 def sync(source: str, target: str, budget_s: float | None = None,
-         unsynced_only: bool = False) -> Report:
+         unsynced_only: bool = False, wait_s: float | None = None) -> Report:
     """Copy every active run of `source` onto `target`; stop between runs after `budget_s`.
-    `unsynced_only`: leave out runs marked synced in the source (the spool's own mark)."""
+    `unsynced_only`: leave out runs marked synced in the source (the spool's own mark).
+    One sync of `source` at a time: wait up to `wait_s` (None: as long as it takes) for
+    another, then Busy."""
+    with _lock(source, wait_s):
+        _check_source(source)
+        return _sync(source, target, budget_s, unsynced_only)
+
+
+def _sync(source: str, target: str, budget_s: float | None, unsynced_only: bool) -> Report:
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
@@ -117,7 +224,12 @@ def _experiment(dst, exp) -> str:
         except MlflowException:  # another sync or stage made it first
             found = dst.get_experiment_by_name(exp.name)
     if found.lifecycle_stage == "deleted":
-        dst.restore_experiment(found.experiment_id)
+        # Restoring it would bring back every run deleted with it: an admin's decision.
+        raise UserError(f"the experiment {exp.name!r} was deleted on the server (id "
+                        f"{found.experiment_id}); nothing was synced into it, the source is kept: "
+                        "ask the server's admin to restore it (`mlflow experiments restore "
+                        f"--experiment-id {found.experiment_id}`) or to purge it (`mlflow gc`), "
+                        "then rerun make sync")
     return found.experiment_id
 
 
@@ -294,6 +406,29 @@ def _beats_champion(dst, name: str, accuracy: str | None) -> bool:
     return float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1"))
 
 
+def _failure(e: Exception, source: str, target: str) -> str:
+    """A sync that the server refused or failed, or whose source store failed, in one line; what
+    else fails is a bug, and raises."""
+    import requests
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    from stages.tracking import reason, refusal
+
+    if not isinstance(e, MlflowException | requests.RequestException | sqlalchemy.exc.SQLAlchemyError):
+        raise e
+    kept = "the source is kept" if source != stores.spool_uri() else f"the spool {stores.SPOOL}/ is kept"
+    said = stores.plain_uri(reason(e))
+    if isinstance(e, sqlalchemy.exc.SQLAlchemyError):
+        return f"reading {stores.plain_uri(source).split('?')[0]} failed ({said}); {kept}"
+    if refused := refusal(e):  # a login or a permission: says whose, and how to get it
+        return f"{refused}; nothing more was synced, {kept}"
+    if stores.outage(e):
+        return (f"the MLflow server {stores.plain_uri(target)} failed ({said}); nothing is lost, "
+                f"{kept}: rerun make sync when it answers")
+    return f"the MLflow server {stores.plain_uri(target)} refused the sync ({said}); {kept}"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m stages.sync",
                         description="Copy runs from a local MLflow store onto the tracking server.")
@@ -319,10 +454,17 @@ def main(argv: list[str] | None = None) -> None:
     if stores.plain_uri(source) == stores.plain_uri(target):
         raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
     if stores.is_server(target) and not stores.reachable(target):
-        raise UserError(f"the MLflow server {stores.plain_uri(target)} does not answer: start "
-                        "it (make server) or check MLFLOW_TRACKING_URI, then rerun make sync")
+        raise UserError(f"the MLflow server {stores.plain_uri(target)} does not answer (or "
+                        "answers 5xx, as a proxy before a stopped one does): start it (make "
+                        "server) or check MLFLOW_TRACKING_URI, then rerun make sync; the spool "
+                        "is kept")
     started = time.time()
-    report = sync(source, target, args.budget_s)
+    try:
+        report = sync(source, target, args.budget_s)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - narrowed below: the server's or the store's answers
+        raise UserError(_failure(e, source, target)) from None
     if not args.source and not report.left:
         stores.spool_synced(started)
     for conflict in report.conflicts[:5]:

@@ -535,3 +535,187 @@ def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, a
 def stores_spool(w: Path) -> str:
     return f"sqlite:///{w / '.mlflow-spool/mlflow.db'}"
 
+
+def fill_spool(w: Path, empty_db: Path, experiment: str, runs: int = 1, steps: int = 50,
+               model: str | None = None) -> Path:
+    """A spool as stages leave it while the server is away: `runs` finished runs of
+    `experiment` with params, `steps` metric steps and an artifact, and with `model` a logged
+    model of the first run registered as version 1 with alias champion; its file."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus, Metric, Param
+
+    spool = w / ".mlflow-spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    shutil.copy(empty_db, spool / "mlflow.db")
+    (spool / "unsynced").touch()
+    mlflow.set_tracking_uri(stores_spool(w))  # a version's `models:/` source is looked up there
+    client = mlflow.MlflowClient(stores_spool(w))
+    exp_id = client.create_experiment(experiment, artifact_location=(spool / "artifacts").as_uri())
+    now = int(time.time() * 1000)
+    for i in range(runs):
+        r = client.create_run(exp_id, run_name=f"spooled-{i}", start_time=now)
+        client.log_batch(r.info.run_id, params=[Param("lr", str(0.1 * (i + 1)))],
+                         metrics=[Metric("train/loss", 1 / (s + 1), now + s, s) for s in range(steps)])
+        client.log_text(r.info.run_id, f"run {i}\n", "train/note.txt")
+        if model and i == 0:
+            logged = client.create_logged_model(exp_id, name="cnn", source_run_id=r.info.run_id)
+            (w / "model").mkdir()
+            (w / "model/weights.bin").write_bytes(os.urandom(1000))
+            client.log_model_artifacts(logged.model_id, str(w / "model"))
+            client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
+            client.create_registered_model(model)
+            client.create_model_version(model, f"models:/{logged.model_id}", r.info.run_id,
+                                        model_id=logged.model_id, tags={"eval.accuracy": "0.9"})
+            client.set_registered_model_alias(model, "champion", "1")
+        client.set_terminated(r.info.run_id, "FINISHED", now + steps)
+    return spool / "mlflow.db"
+
+
+def sync_process(server: MlflowServer, w: Path, call: str, ready: Path, go: Path,
+                 **env: str) -> subprocess.Popen:
+    """A process that imports what sync needs, says it is `ready`, and at `go` runs `call`:
+    two of them reach the server at the same moment."""
+    code = ("import os, sys, time\nimport mlflow, stages.sync, stages.tracking\n"
+            "open(sys.argv[1], 'w').close()\n"
+            "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.005)\n" + call)
+    return subprocess.Popen([sys.executable, "-c", code, str(ready), str(go)], cwd=w, text=True,
+                            env=logged_in(server, server.uri, w, **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+CALLS = {"make sync": "stages.sync.main([])",
+         "a stage's replay": "stages.tracking.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", list(CALLS))
+def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, empty_db,
+                                                          tmp_path):
+    """`make sync` twice at the same moment, or with a stage's replay of the spool: one waits
+    for the other (a lock on the spool), and the server gets each run, its logged model and
+    its registered version once; `make sync` prints its one line and none of MLflow's."""
+    server, _ = team
+    name = f"race-{os.urandom(3).hex()}"
+    w = tmp_path / "w"
+    fill_spool(w, empty_db, name, runs=3, model=name)
+    go = tmp_path / "go"
+    procs = [sync_process(server, w, CALLS[kind], tmp_path / f"ready-{i}", go)
+             for i, kind in enumerate(["make sync", second])]
+    deadline = time.time() + 120
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(2)):
+        assert time.time() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert "Traceback" not in err, err
+    runs = server_runs(admin, name)
+    assert len(runs) == 3 and len({r.data.tags["reprotrain.source_run"] for r in runs}) == 3
+    assert all(r.info.status == "FINISHED" for r in runs)
+    [version] = admin.search_model_versions(f"name = '{name}'")
+    assert len(admin.search_logged_models([runs[0].info.experiment_id])) == 1
+    assert admin.get_model_version_by_alias(name, "champion").version == version.version
+    for r in runs:
+        assert len(admin.get_metric_history(r.info.run_id, "train/loss")) == 50
+
+
+def damage_spool(db: Path, how: str) -> None:
+    import sqlite3
+
+    data = db.read_bytes()
+    if how == "truncated":
+        db.write_bytes(data[: len(data) // 2])
+    elif how == "random bytes":
+        db.write_bytes(os.urandom(len(data)))
+    elif how == "a table dropped":
+        with contextlib.closing(sqlite3.connect(db)) as con:
+            con.execute("DROP TABLE metrics")
+            con.commit()
+    else:
+        db.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "random bytes", "a table dropped", "0 bytes"])
+def test_a_damaged_spool_is_kept_aside_and_named_in_one_line(how, team, empty_db, tmp_path):
+    server, _ = team
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, f"damaged-{os.urandom(3).hex()}", steps=3000)
+    damage_spool(db, how)
+    bad = db.read_bytes()
+    p = run([sys.executable, "-m", "stages.sync"], w, check=False, env=logged_in(server, server.uri, w))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: the spool {db} is damaged ("), lines
+    [kept] = db.parent.glob("mlflow.db.damaged-*")
+    assert kept.read_bytes() == bad and f"kept aside as {kept}" in lines[0] and not db.exists()
+    assert not (db.parent / "unsynced").exists()  # stages no longer replay it
+
+
+def test_sync_into_an_experiment_an_admin_deleted_refuses_in_one_line(team, admin, empty_db,
+                                                                     tmp_path):
+    """Restoring it would bring back the runs deleted with it: the admin's call, not sync's."""
+    server, _ = team
+    name = f"deleted-{os.urandom(3).hex()}"
+    exp_id = admin.create_experiment(name)
+    old = admin.create_run(exp_id).info.run_id
+    admin.delete_run(old)
+    admin.delete_experiment(exp_id)
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, name)
+    p = run([sys.executable, "-m", "stages.sync"], w, check=False, env=logged_in(server, server.uri, w))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert f"the experiment {name!r} was deleted on the server (id {exp_id})" in lines[0]
+    assert f"mlflow experiments restore --experiment-id {exp_id}" in lines[0]
+    assert admin.get_experiment(exp_id).lifecycle_stage == "deleted"
+    assert admin.get_run(old).info.lifecycle_stage == "deleted" and db.exists()
+
+
+@pytest.mark.parametrize("who", ["a READ user", "a wrong password"])
+def test_sync_refused_by_the_server_is_one_line_naming_the_user(who, team, admin, empty_db,
+                                                               tmp_path):
+    import mlflow.server
+
+    server, _ = team
+    name = f"refused-{os.urandom(3).hex()}"
+    admin.create_experiment(name)
+    user, password = (f"reader{os.urandom(3).hex()}", "reader-password-1") \
+        if who == "a READ user" else (server.user, "wrong-password-123")
+    if who == "a READ user":  # READ is the server's default permission
+        mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri).create_user(user, password)
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, name)
+    p = run([sys.executable, "-m", "stages.sync"], w, check=False,
+            env=logged_in(server, server.uri, w, MLFLOW_TRACKING_USERNAME=user,
+                          MLFLOW_TRACKING_PASSWORD=password))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert (f"user '{user}' may not write here" if who == "a READ user" else
+            f"the server refused the login of '{user}'") in lines[0], lines
+    assert "the spool .mlflow-spool/ is kept" in lines[0] and password not in p.stderr
+    assert db.exists() and server_runs(admin, name) == []
+
+
+@pytest.mark.parametrize("failure", ["502 from a proxy", "database stopped"])
+def test_sync_to_a_failing_server_is_bounded_and_one_line(failure, team, empty_db, tmp_path):
+    import mlflow
+
+    server, db = team
+    w = tmp_path / "w"
+    fill_spool(w, empty_db, f"failing-{os.urandom(3).hex()}")
+    with contextlib.ExitStack() as faults, faulty_proxy(server.uri) as proxy:
+        if failure == "502 from a proxy":
+            proxy.mode = "502"
+        else:
+            faults.enter_context(database_stopped(db))
+        t = time.perf_counter()
+        p = run([sys.executable, "-m", "stages.sync"], w, check=False, timeout=120,
+                env=logged_in(server, proxy.uri, w))
+        took = time.perf_counter() - t
+    print(f"{failure}: sync took {took:.1f}s")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and took < 60, (took, p.stderr)
+    assert "the spool" in lines[0] and "is kept" in lines[0], lines
+    [r] = mlflow.MlflowClient(stores_spool(w)).search_runs(["1"])
+    assert "reprotrain.synced" not in r.data.tags  # the next sync sends it
