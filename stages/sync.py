@@ -30,8 +30,10 @@ from pathlib import Path
 from stages import stores
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 
-# A progress bar per file would bury the one line sync prints.
+# A progress bar per file, and MLflow's "View run" and "View experiment" lines for each run it
+# ends, would bury the one line sync prints.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 SOURCE_RUN = "reprotrain.source_run"  # on a run sync created: where it came from
 SOURCE_MODEL = "reprotrain.source_model"
@@ -382,7 +384,7 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
             source = f"models:/{model_id}" if model_id else v.source
             copy = dst.create_model_version(v.name, source, run_id=target, model_id=model_id,
                                             tags={**v.tags, SOURCE_VERSION: key},
-                                            description=v.description)
+                                            description=v.description, await_creation_for=0)
             made += 1
         if copy.tags.get(ALIASES_SET):
             continue

@@ -15,7 +15,9 @@ The DVC outputs are written all the same.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import logging
 import os
@@ -441,8 +443,16 @@ class Tracker:
 
     def register(self, model_uri: str, name: str, accuracy: float) -> dict | None:
         """Register a version with alias `candidate`; move `champion` to it when its test
-        accuracy beats the current champion's (or there is none)."""
-        return self._call(_register, model_uri, name, accuracy)
+        accuracy beats the current champion's (or there is none). Registered in the spool, it
+        says so here and returns None: a champion there is only the laptop's, and `make sync`
+        decides it against the server's."""
+        reg = self._call(_register, model_uri, name, accuracy)
+        if reg and self.spooled:
+            print(f"registered {name} in the local spool ({SPOOL}/), not on the server, which "
+                  "did not answer: `make sync` registers it there, champion if it beats the "
+                  "server's")
+            return None
+        return reg
 
 
 def _log_dataset(meta: dict, root: str) -> None:
@@ -475,7 +485,11 @@ def _register(model_uri: str, name: str, accuracy: float) -> dict:
     from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
-    version = mlflow.register_model(model_uri, name).version
+    # Without MLflow's "Successfully registered model", "Created version" lines (export says
+    # where it registered, the server or the spool) and its wait for a version that a server
+    # with its own artifact store makes ready at once.
+    with contextlib.redirect_stderr(io.StringIO()):
+        version = mlflow.register_model(model_uri, name, await_registration_for=0).version
     client.set_model_version_tag(name, version, "eval.accuracy", repr(accuracy))
     client.set_registered_model_alias(name, "candidate", version)
     try:

@@ -247,6 +247,10 @@ def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, di
         print(name, f"{time.perf_counter() - t:.1f}s")
         assert p.stderr.count("is unreachable") == 1, p.stderr
         assert "spooled to .mlflow-spool/" in p.stderr and "Traceback" not in p.stderr
+    # Export says where the version went, and none of MLflow's own registration lines.
+    assert "registered digits-cnn in the local spool (.mlflow-spool/), not on the server" \
+        in p.stdout and "champion" not in p.stdout.replace("champion if it beats", ""), p.stdout
+    assert "Successfully registered" not in p.stderr + p.stdout and "Created version" not in p.stderr
     link = json.loads((w / "models/train/run.json").read_text())
     assert link["tracking_uri"].startswith("sqlite:///") and ".mlflow-spool" in link["tracking_uri"]
     spool = mlflow.MlflowClient(link["tracking_uri"])
@@ -269,6 +273,8 @@ def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, di
 
         for _ in range(2):
             p = sync(w, uri)
+            # One line of its own: none of MLflow's "View run", "Waiting up to 300 seconds".
+            assert len(p.stdout.splitlines()) == 1 and not p.stderr, (p.stdout, p.stderr)
         assert "synced 0 run(s)" in p.stdout and "1 run(s) already there" in p.stdout, p.stdout
         client = mlflow.MlflowClient(uri)
         [r] = client.search_runs(["1"])
@@ -522,9 +528,9 @@ def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, a
     assert spool.search_runs([spool.get_experiment_by_name(experiment).experiment_id])
 
     p = run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
-    assert "synced 1 run(s)" in p.stdout, p.stdout
+    assert p.stdout.startswith("synced 1 run(s)") and len(p.stdout.splitlines()) == 1, p.stdout
     p = run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
-    assert "synced 0 run(s)" in p.stdout and "1 run(s) already there" in p.stdout
+    assert p.stdout.startswith("synced 0 run(s)") and "1 run(s) already there" in p.stdout
     [r] = server_runs(admin, experiment)
     assert r.info.status == "FINISHED" and r.data.params["epochs"] == "3"
     if failure == "502 mid-run":  # the run began on the server: the spool's part merged into it
@@ -609,7 +615,7 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
-        assert "Traceback" not in err, err
+        assert "Traceback" not in err and "View run" not in out and "Waiting up to" not in err, (out, err)
     runs = server_runs(admin, name)
     assert len(runs) == 3 and len({r.data.tags["reprotrain.source_run"] for r in runs}) == 3
     assert all(r.info.status == "FINISHED" for r in runs)
@@ -618,6 +624,8 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
     assert admin.get_model_version_by_alias(name, "champion").version == version.version
     for r in runs:
         assert len(admin.get_metric_history(r.info.run_id, "train/loss")) == 50
+    said = outs[0][0].splitlines()
+    assert len(said) == 1 and said[0].startswith("synced "), outs[0]
 
 
 def damage_spool(db: Path, how: str) -> None:
