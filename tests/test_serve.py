@@ -1,8 +1,12 @@
-"""Serving the champion: export logs and registers the served model (code, no pickle), `make
-serve`'s server answers over real HTTP as `stages.predict` does, refuses bad input with a 400
-and goes on, never runs code from the registry, and stops on Ctrl-C; its Dockerfile. And the
-readers' bounds, in the server and in `stages.predict` on the same model: the image formats
-decoded (never Ghostscript), bodies and pixels, a stdout closed early."""
+"""Serving the champion from the team's registry: a real `mlflow server --app-name basic-auth` on
+a real PostgreSQL, artifacts proxied by it, each client logged in with MLFLOW_TRACKING_USERNAME
+and MLFLOW_TRACKING_PASSWORD. Export logs and registers the served model (code, no pickle)
+there; `make serve` loads it and answers over real HTTP as `stages.predict` does, refuses bad
+input with a 400 and goes on, never runs code from the registry, and stops on Ctrl-C; a
+read-only user serves but cannot register; a wrong password or a server that is down is one
+line; its Dockerfile. And the readers' bounds, in the server and in `stages.predict` on the
+same model: the image formats decoded (never Ghostscript), bodies and pixels, a stdout closed
+early."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -21,7 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +37,14 @@ import pytest
 from PIL import Image
 
 from stages.data import save_prepared
-from tests.conftest import ROOT, copy_params, env_with, run, set_params
+from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
 from tests.images import EPS, fake_ghostscript
-from tests.services import free_port
+from tests.services import (
+    create_database,
+    free_port,
+    mlflow_server,
+    postgres,  # noqa: F401 - the fixture
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +53,74 @@ SAMPLES = sorted((ROOT / "data/samples").glob("*.png"), key=lambda p: int(p.stem
 
 
 @pytest.fixture(scope="module")
-def champion(tmp_path_factory, digits, mlflow_uri):
-    """A workspace whose tiny real model was trained, evaluated and exported: export logged the
-    served model and registered it as champion of NAME."""
+def registry(postgres, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """The team's server for this module (`make server`: basic-auth, PostgreSQL, artifacts
+    proxied): started once, its champion shared by the tests."""
+    db = create_database(postgres, f"serve_{secrets.token_hex(4)}")
+    with mlflow_server(db, tmp_path_factory.mktemp("registry")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory, digits, registry):
+    """A workspace whose tiny real model was trained, evaluated and exported by the server's
+    admin, logged in: export logged the served model and registered it as champion of NAME on
+    the server. The workspace has the Makefile, to run `make serve` in it as a user does."""
     w = tmp_path_factory.mktemp("serve")
     copy_params(w)
+    for name in ("Makefile", "requirements.lock"):  # copy2: the lock stays older than the venv
+        shutil.copy2(ROOT / name, w / name)
     set_params(w / "params.yaml", {"epochs": "2", "model.width": "8", "export.register_as": NAME})
     save_prepared(w / "data/prepared", *digits)
-    env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri)
+    env = registry.client_env(PYTHONPATH=str(ROOT))
     for stage in ("train", "evaluate", "export"):
         p = run([sys.executable, "-m", f"stages.{stage}"], w, env=env)
+        assert "Warning" not in p.stderr, p.stderr  # logged and registered, nothing spooled
     assert f"registered {NAME} version 1 as candidate, now champion" in p.stdout
     return w, env
+
+
+@pytest.fixture
+def logged_in(champion, registry, monkeypatch):
+    """This process as the workspace's user: in it, logged in to the server as its admin."""
+    import mlflow
+
+    w, env = champion
+    monkeypatch.chdir(w)  # its params.yaml names the registered model
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, env[key])
+    mlflow.set_tracking_uri(registry.uri)
+    return w, env
+
+
+def make_serve(port: int) -> list[str]:
+    """`make serve` as a user types it, on the venv the tests run in."""
+    return ["make", "-s", "serve", f"PORT={port}", f"VENV={VENV_BIN.parent}"]
+
+
+@contextmanager
+def serving(w: Path, env: dict, port: int | None = None) -> Iterator[dict]:
+    """`make serve` in `w` on `port` (a free one by default), in its own process group as a
+    terminal would run it; yields once it printed its curl line, stopped at the end (if a test
+    did not)."""
+    port = port or free_port()
+    # SIGINT as a terminal leaves it: a suite started in the background (`make test &`)
+    # inherits it ignored, and the server would never see the Ctrl-C under test.
+    proc = subprocess.Popen(make_serve(port), cwd=w, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:  # stopped, pass or fail
+        lines = []
+        for line in proc.stdout:  # the curl line comes once the server answers
+            lines.append(line)
+            if line.startswith("curl "):
+                break
+        assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
+        yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
 
 
 def b64(data: bytes) -> str:
@@ -98,40 +167,24 @@ def with_ghostscript(env: dict, called: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def server(champion, ghostscript, tmp_path_factory):
-    """`python -m stages.serve` (what `make serve` runs) on a free port, in its own process
-    group as a terminal would run it; stopped with Ctrl-C by test_ctrl_c_stops_the_server.
-    A symlink waits at the log's old, guessable name (test_the_log_is_private)."""
+    """`make serve` of the server's champion, logged in as its admin; stopped with Ctrl-C by
+    test_ctrl_c_stops_the_server. A symlink waits at the log's old, guessable name
+    (test_the_log_is_private)."""
     w, env = champion
-    env = with_ghostscript(env, ghostscript)
     port = free_port()
     planted = Path(tempfile.gettempdir()) / f"reprotrain-serve-{port}.log"
     victim = tmp_path_factory.mktemp("victim") / "victim.txt"
     victim.write_text("untouched\n")
     planted.unlink(missing_ok=True)
     planted.symlink_to(victim)
-    # SIGINT as a terminal leaves it: a suite started in the background (`make test &`)
-    # inherits it ignored, and the server would never see the Ctrl-C under test.
-    proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--port", str(port)], cwd=w,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:  # stopped, pass or fail
-        lines = []
-        for line in proc.stdout:  # the curl line comes once the server answers
-            lines.append(line)
-            if line.startswith("curl "):
-                break
-        assert lines and lines[-1].startswith("curl "), "".join(lines) + proc.stderr.read()
-        yield {"base": f"http://127.0.0.1:{port}", "port": port, "proc": proc, "out": lines,
-               "planted": planted, "victim": victim}
+    try:
+        with serving(w, with_ghostscript(env, ghostscript), port) as s:
+            yield s | {"planted": planted, "victim": victim}
     finally:
         planted.unlink(missing_ok=True)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
 
 
-def test_export_logs_the_served_model_as_code_with_an_example(champion, tmp_path):
+def test_export_logs_the_served_model_as_code_with_an_example(logged_in, tmp_path):
     import mlflow
     from omegaconf import OmegaConf
 
@@ -163,6 +216,59 @@ def test_served_answers_equal_predict(server, champion):
     status, body = post(server["base"], {"inputs": [b64(p.read_bytes()) for p in SAMPLES]})
     assert status == 200, body
     assert_same(body["predictions"], predict_json(w, env, SAMPLES))
+
+
+def test_the_champion_is_registered_on_the_server_and_nothing_stays_local(logged_in, registry):
+    import mlflow
+
+    w, env = logged_in
+    client = mlflow.MlflowClient()
+    version = client.get_model_version_by_alias(NAME, "champion")
+    assert version.version == "1" and version.source.startswith("models:/")
+    run_ = client.get_run(version.run_id)
+    assert run_.info.artifact_uri.startswith("mlflow-artifacts:/")  # proxied by the server
+    assert {a.path for a in client.list_artifacts(run_.info.run_id, "export")} >= {
+        "export/model.onnx", "export/model.json"}
+    assert not (w / "mlflow.db").exists() and not list(w.glob("**/mlartifacts"))
+    for f in w.rglob("*"):
+        assert not f.is_file() or registry.password.encode() not in f.read_bytes(), f
+
+
+def test_make_serve_answers_ping_and_says_what_it_serves(server, registry):
+    with urllib.request.urlopen(f"{server['base']}/ping", timeout=30) as r:
+        assert r.status == 200
+    said = "".join(server["out"])
+    assert said.startswith(f"serving {NAME} version 1 (champion) on {server['base']}"), said
+    assert registry.password not in said
+
+
+def test_a_read_only_user_serves_the_champion_but_cannot_register(champion, registry, tmp_path,
+                                                                  monkeypatch):
+    import mlflow
+    import mlflow.server
+
+    w, env = champion
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", registry.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", registry.password)
+    auth = mlflow.server.get_app_client("basic-auth", tracking_uri=registry.uri)
+    auth.create_user("viewer", "viewer-password-1")  # READ is the server's default permission
+    reader = dict(env, MLFLOW_TRACKING_USERNAME="viewer",
+                  MLFLOW_TRACKING_PASSWORD="viewer-password-1")
+    client = mlflow.MlflowClient(registry.uri)
+    before = client.search_model_versions(f"name = '{NAME}'")
+    with serving(w, reader) as served:
+        status, body = post(served["base"], {"inputs": [b64(SAMPLE)]})
+        assert status == 200 and len(body["predictions"]) == 1, body
+    # The same export as the admin's, as the reader: the stage ends, one line says why nothing
+    # was registered, and the champion stays the admin's.
+    mine = tmp_path / "w"
+    shutil.copytree(w, mine)
+    p = run([sys.executable, "-m", "stages.export"], mine, env=reader)
+    warned = [line for line in p.stderr.splitlines() if "Warning" in line]
+    assert len(warned) == 1 and "user 'viewer' may not write here" in warned[0], p.stderr
+    assert "registered" not in p.stdout and "Traceback" not in p.stderr
+    assert client.search_model_versions(f"name = '{NAME}'") == before
+    assert client.get_model_version_by_alias(NAME, "champion").version == "1"
 
 
 def png(img: Image.Image, **kw) -> bytes:
@@ -338,18 +444,16 @@ class Exploit:
         return (open, (str(self.marker), "w"))  # would create the marker file when unpickled
 
 
-def test_a_hostile_registered_model_never_runs_its_code(champion, tmp_path, monkeypatch):
-    """Anyone who can register a version can put code in it: in its models-from-code file, or
-    as a pickle. Serving and loading through stages.serve takes only its model.onnx and
-    model.json; loading the registered model with MLflow alone runs the code."""
+def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
+    """Anyone who can register a version on the team's server can put code in it: in its
+    models-from-code file, or as a pickle. Serving and loading through stages.serve takes only
+    its model.onnx and model.json; loading the registered model with MLflow alone runs the
+    code."""
     import mlflow
     from omegaconf import OmegaConf
 
     from stages.serving import load_champion
 
-    w, env = champion
-    monkeypatch.chdir(w)  # its params.yaml names the registered model
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
     marker = tmp_path / "pwned"
     genuine = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1",
                                                        dst_path=str(tmp_path / "v1")))
@@ -390,13 +494,10 @@ def test_a_hostile_registered_model_never_runs_its_code(champion, tmp_path, monk
 
 
 @pytest.fixture
-def in_workspace(champion, monkeypatch):
+def in_workspace(logged_in):
     """`python -m stages.serve`'s main in this process, as if run in the workspace."""
     from stages.serve import main
 
-    w, env = champion
-    monkeypatch.chdir(w)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", env["MLFLOW_TRACKING_URI"])
     return main
 
 
