@@ -15,7 +15,6 @@ import base64
 import io
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -84,10 +83,7 @@ def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int,
     try:
         found = mlflow.MlflowClient().get_model_version_by_alias(name, alias)
     except MlflowException as e:
-        # Without a user:password@ a URI may carry: credentials never reach a message.
-        raise UserError(f"no {alias} of registered model {name!r} in {re.sub('//[^/]*@', '//', uri)} "
-                        f"({tracking.reason(e)}); run `make repro` (export registers each model as "
-                        "export.register_as in params.yaml) or pass --name") from None
+        raise UserError(lookup_failed(e, name, alias, uri)) from None
     # The files of one version, by number: the alias can move between the two downloads.
     for file in FILES:
         try:
@@ -99,6 +95,28 @@ def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int,
                             "mlflow.pytorch model from before?); serve another version with "
                             "--alias candidate, or move the alias") from None
     return int(found.version), dest / "artifacts"
+
+
+def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:
+    """Why the champion could not be looked up, in one line with its fix: a login refused or a
+    server that does not answer is no reason to retrain (`make repro`)."""
+    from stages import tracking
+    from stages.stores import is_server, plain_uri, reachable
+
+    where = plain_uri(uri)  # credentials a URI may carry never reach a message
+    what = f"the {alias} of registered model {name!r}"
+    if is_server(uri) and not reachable(uri):
+        return (f"the tracking server at {where} does not answer, so {what} cannot be looked "
+                "up; start it (`make server`, README: A team's tracking server) or set "
+                "MLFLOW_TRACKING_URI to one that runs")
+    if refused := tracking.refusal(e):
+        if getattr(e, "error_code", None) == "PERMISSION_DENIED":
+            refused = (f"user {os.environ.get('MLFLOW_TRACKING_USERNAME')!r} may not read it: ask "
+                       "the server's admin for READ on the registered model")
+        return f"cannot look up {what} at {where}: {refused}"
+    return (f"no {alias} of registered model {name!r} in {where} ({tracking.reason(e)}); run "
+            "`make repro` (export registers each model as export.register_as in params.yaml) "
+            "or pass --name")
 
 
 def save_served(folder: Path, dest: Path) -> Path:

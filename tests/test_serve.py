@@ -242,6 +242,54 @@ def test_make_serve_answers_ping_and_says_what_it_serves(server, registry):
     assert registry.password not in said
 
 
+def make_serve_fails(w: Path, env: dict) -> tuple[str, float]:
+    """`make serve` that never serves: its one line on stderr (make's own `make: ***` line
+    aside) and how long it took."""
+    start = time.monotonic()
+    p = run(make_serve(free_port()), w, env=env, check=False, timeout=120)
+    took = time.monotonic() - start
+    assert p.returncode != 0 and "curl " not in p.stdout, p.stdout
+    lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("make")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0], took
+
+
+def test_a_refused_login_is_one_line_naming_it_not_a_retrain(champion, registry, monkeypatch):
+    """A wrong password, no login, a user kept from the model: each says so, never "no
+    champion ... run `make repro`"."""
+    import mlflow.server
+
+    w, env = champion
+    lookup = f"error: cannot look up the champion of registered model '{NAME}' at {registry.uri}: "
+    line, _ = make_serve_fails(w, dict(env, MLFLOW_TRACKING_PASSWORD="wrong-password-123"))
+    assert line == (f"{lookup}the server refused the login of '{registry.user}': set "
+                    "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to your user on it")
+    line, _ = make_serve_fails(w, {k: v for k, v in env.items()
+                                   if k not in ("MLFLOW_TRACKING_USERNAME",
+                                                "MLFLOW_TRACKING_PASSWORD")})
+    assert line.startswith(f"{lookup}the server needs a login: set MLFLOW_TRACKING_USERNAME"), line
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", registry.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", registry.password)
+    auth = mlflow.server.get_app_client("basic-auth", tracking_uri=registry.uri)
+    auth.create_user("outsider", "outsider-password-1")
+    auth.grant_user_permission("outsider", "registered_model", NAME, "DENY")
+    line, _ = make_serve_fails(w, dict(env, MLFLOW_TRACKING_USERNAME="outsider",
+                                       MLFLOW_TRACKING_PASSWORD="outsider-password-1"))
+    assert line == (f"{lookup}user 'outsider' may not read it: ask the server's admin for READ "
+                    "on the registered model")
+
+
+def test_the_server_down_when_make_serve_starts_is_one_quick_line(champion):
+    w, env = champion
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens: a server that is down
+    line, took = make_serve_fails(w, dict(env, MLFLOW_TRACKING_URI=down))
+    assert line == (f"error: the tracking server at {down} does not answer, so the champion of "
+                    f"registered model '{NAME}' cannot be looked up; start it (`make server`, "
+                    "README: A team's tracking server) or set MLFLOW_TRACKING_URI to one that runs")
+    assert took < 60, took
+
+
 def test_a_read_only_user_serves_the_champion_but_cannot_register(champion, registry, tmp_path,
                                                                   monkeypatch):
     import mlflow
