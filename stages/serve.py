@@ -27,6 +27,7 @@ from pathlib import Path
 
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.serving import champion_files, registered_name, save_served
+from stages.stores import plain_uri
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data/samples/7.png"
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
@@ -37,6 +38,8 @@ MAX_BODY_BYTES = 8 * 2**20
 # RecursionError, a 500 from MLflow's server; a request has 2. A body with fewer brackets than
 # this is never parsed twice to find out.
 FEW_BRACKETS = 100
+# What logs in to the tracking server (MLflow reads each from the environment).
+LOGIN = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def curl_line(base: str) -> str:
@@ -47,8 +50,13 @@ def curl_line(base: str) -> str:
 
 
 def server_env() -> dict[str, str]:
-    """`mlflow models serve` starts `uvicorn` from the PATH: this environment's."""
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    """`mlflow models serve` starts `uvicorn` from the PATH: this environment's. Without the
+    tracking server's login: the model server never reads the registry, and it decodes what
+    anyone who reaches its port sends, so a hole in a decoder would not hand over the password."""
+    env = {k: v for k, v in os.environ.items() if k not in LOGIN}
+    if "MLFLOW_TRACKING_URI" in env:
+        env["MLFLOW_TRACKING_URI"] = plain_uri(env["MLFLOW_TRACKING_URI"])
+    return dict(env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
 def serve_command(folder: Path, port: int) -> list[str]:

@@ -240,6 +240,11 @@ def test_make_serve_answers_ping_and_says_what_it_serves(server, registry):
     said = "".join(server["out"])
     assert said.startswith(f"serving {NAME} version 1 (champion) on {server['base']}"), said
     assert registry.password not in said
+    # The model server, which decodes what any client sends, holds no login to the registry.
+    (pid,) = [pid for pid, cmd in command_lines().items()
+              if b"--serve-folder\0" in cmd and f"--port\0{server['port']}\0".encode() in cmd]
+    environ = Path(f"/proc/{pid}/environ").read_bytes()
+    assert registry.password.encode() not in environ and b"MLFLOW_TRACKING_PASSWORD" not in environ
 
 
 def make_serve_fails(w: Path, env: dict) -> tuple[str, float]:
@@ -594,14 +599,14 @@ def test_ctrl_c_stops_the_server(server):
     time.sleep(0.5)
     with pytest.raises(OSError):
         post(server["base"], {"inputs": [b64(SAMPLE)]})
-    assert not [cmd for cmd in command_lines() if f"--port\0{port}\0".encode() in cmd]
+    assert not [cmd for cmd in command_lines().values() if f"--port\0{port}\0".encode() in cmd]
 
 
-def command_lines() -> list[bytes]:
-    out = []
+def command_lines() -> dict[int, bytes]:
+    out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            out.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+            out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:  # ended meanwhile
             pass
     return out
