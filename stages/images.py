@@ -27,6 +27,11 @@ ACCEPTED = ", ".join(DECODERS)
 # The largest image file read: each is read whole (hashed, then decoded), in every worker at
 # once. Larger files (a 40000x40000 TIFF, a stray disk image) are rejected and listed.
 MAX_IMAGE_BYTES = 256 * 2**20
+# The most scans a JPEG may have. libjpeg decodes a progressive JPEG a scan at a time, each a pass
+# over every block of the image, and sets no limit; a scan can be 6 bytes, so 10,000 scans of a
+# 4096x4096 image in 133 kB cost 15 s of CPU (an 8 MiB request to `make serve`, 20 minutes).
+# Encoders write about 10 (jpegtran -progressive: 10 for colour, 6 for grey).
+MAX_JPEG_SCANS = 100
 
 
 class DataError(UserError, ValueError):
@@ -122,8 +127,8 @@ def open_image(source: str | Path | bytes) -> Image.Image:
     IMAGE_FORMATS are tried. Raises DataError with a fixed message: Pillow's own name temporary
     files, command lines and object addresses, which a served reply must not echo."""
     try:
-        return Image.open(io.BytesIO(source) if isinstance(source, bytes) else source,
-                          formats=DECODERS)
+        img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source,
+                         formats=DECODERS)
     except Image.DecompressionBombError:
         raise DataError("a decompression bomb: its header declares more pixels than Pillow "
                         f"decodes ({2 * Image.MAX_IMAGE_PIXELS:,})") from None
@@ -132,6 +137,24 @@ def open_image(source: str | Path | bytes) -> Image.Image:
             raise  # the file unreadable (permissions, I/O), not its contents: the system's words
         raise DataError(f"not an image file of a format read here ({ACCEPTED}); convert it, "
                         "e.g. to PNG") from None
+    if img.format in ("JPEG", "MPO") and (scans := jpeg_scans(img.fp)) > MAX_JPEG_SCANS:
+        img.close()
+        raise DataError(f"a JPEG of {scans:,} scans, over the {MAX_JPEG_SCANS} read here "
+                        "(MAX_JPEG_SCANS in stages/images.py); save it again, e.g. as PNG")
+    return img
+
+
+def jpeg_scans(fp) -> int:
+    """A JPEG's start-of-scan markers (FF DA), counted in C over the file, its position kept.
+    Entropy-coded data never holds FF DA (an FF there is followed by 00); metadata may, so a
+    real file can count a few more than it has, never fewer."""
+    at, n, last = fp.tell(), 0, b""
+    fp.seek(0)
+    while chunk := fp.read(2**20):
+        n += (last + chunk).count(b"\xff\xda")  # a marker split across two reads counts once
+        last = chunk[-1:]
+    fp.seek(at)
+    return n
 
 
 def decode_image(source: str | Path | bytes, channels: int, size: int,

@@ -83,3 +83,21 @@ def fake_ghostscript(folder: Path) -> Path:
     (folder / "gs").write_text(f'#!/bin/sh\necho "$@" >> "{record}"\nexit 1\n')
     (folder / "gs").chmod(0o755)
     return record
+
+
+def many_scan_jpeg(scans: int, size: int = 4096) -> bytes:
+    """A valid grayscale progressive JPEG of size x size zeros with `scans` AC scans of 6 bytes
+    each (their entropy data left out: libjpeg reads it as zeros, a run of empty blocks). Each
+    scan is a pass over every block of the image: about 2 ms at 4096x4096 here."""
+    import struct
+
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+    blocks = (size // 8) ** 2
+    return (b"\xff\xd8" + segment(0xDB, b"\x00" + b"\x01" * 64)
+            + segment(0xC2, struct.pack(">BHHB", 8, size, size, 1) + b"\x01\x11\x00")
+            + segment(0xC4, b"\x00" + bytes([1] + [0] * 15) + b"\x00")  # DC: one code, '0'
+            + segment(0xC4, b"\x10" + bytes([1] + [0] * 15) + b"\xe0")  # AC: EOB run, '0'
+            + segment(0xDA, b"\x01\x01\x00\x00\x00\x00") + b"\x00" * (blocks // 8)  # DC scan
+            + segment(0xDA, b"\x01\x01\x00\x01\x3f\x00") * scans + b"\xff\xd9")

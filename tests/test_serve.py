@@ -38,7 +38,7 @@ from PIL import Image
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
-from tests.images import EPS, fake_ghostscript
+from tests.images import EPS, fake_ghostscript, many_scan_jpeg
 from tests.services import (
     create_database,
     free_port,
@@ -393,6 +393,28 @@ def test_postscript_never_runs_ghostscript_in_the_server_nor_in_predict(server, 
     assert p.returncode == 1 and p.stdout == "", p.stderr
     assert p.stderr == (f"{tmp_path / 'digit.png'}\terror: not an image file of a format read "
                         "here (BMP, JPEG, PNG, TIFF, WEBP); convert it, e.g. to PNG\n")
+
+
+def test_a_jpeg_of_many_scans_is_refused_before_it_is_decoded(server, champion, tmp_path):
+    """A progressive JPEG is decoded a scan at a time, each a pass over the whole image, and
+    libjpeg sets no limit: 10,000 scans of a 4096x4096 image in 133 kB cost 15 s of the
+    server's CPU (an 8 MiB body, 20 minutes), and as long in predict and prepare."""
+    bomb = many_scan_jpeg(10_000)
+    t0 = time.monotonic()
+    status, answer = post(server["base"], {"inputs": [b64(bomb)]})
+    assert status == 400 and answer["message"] == (
+        "image 0: not a readable image (a JPEG of 10,001 scans, over the 100 read here "
+        "(MAX_JPEG_SCANS in stages/images.py); save it again, e.g. as PNG)"), answer
+    assert time.monotonic() - t0 < 3
+    status, answer = post(server["base"], {"inputs": [b64(many_scan_jpeg(8, size=64))]})
+    assert status == 200, answer  # a usual progressive JPEG has about 10
+    w, env = champion
+    (tmp_path / "digit.jpg").write_bytes(bomb)
+    p = run([sys.executable, "-m", "stages.predict", str(tmp_path / "digit.jpg")], w, env=env,
+            check=False, timeout=60)
+    assert p.returncode == 1 and p.stderr.endswith(
+        "error: a JPEG of 10,001 scans, over the 100 read here (MAX_JPEG_SCANS in "
+        "stages/images.py); save it again, e.g. as PNG\n"), p.stderr
 
 
 def answer_of(s: socket.socket) -> bytes:
