@@ -244,10 +244,27 @@ def _range(where: str, name: str, dist: dict, errors: list[str]) -> list | None:
     elif step is not None and not (_is(step, kind) and 0 < step <= high - low):
         problem = f"step={step!r} must be a{'n int' if kind is int else ' number'} above 0 and " \
                   f"at most high - low = {high - low!r}"
+    elif not _drawable(kind, low, high, step, log):
+        problem = f"step={step!r} is too fine for low={low!r} and high={high!r}: Optuna " \
+                  "cannot make a range of it; use a coarser step"
     else:
         return [low, high]
     errors.append(f"{where}: {name}: {problem}")
     return None
+
+
+def _drawable(kind: type, low: float, high: float, step: float | None, log: Any) -> bool:
+    """Optuna makes the range as a worker would: it divides high - low by step in 28 digits,
+    and a step as fine as 1e-300 failed only there, each worker dying on its first trial."""
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    try:
+        with warnings_quiet():  # "the range is not divisible by step": Optuna trims high
+            (FloatDistribution if kind is float else IntDistribution)(
+                low, high, log=bool(log), step=step if kind is float else step or 1)
+    except (ValueError, ArithmeticError):  # decimal.InvalidOperation is an ArithmeticError
+        return False
+    return True
 
 
 def _is(value: Any, kind: type) -> bool:

@@ -300,6 +300,20 @@ def test_every_number_of_a_sweep_file_is_bounded(tmp_path, old, new, message):
     assert message in str(e.value) and str(e.value).count("\n") == 0, str(e.value)
 
 
+def test_a_range_optuna_cannot_draw_from_is_refused_before_it_starts(tmp_path):
+    """`step: 1.0e-300` passed every check, then each worker died on its first trial with a
+    decimal.InvalidOperation traceback (Optuna divides high - low by step in 28 digits), the
+    trial stayed RUNNING and the sweep said to start more workers."""
+    old = f"lr: {{type: choice, values: [{GOOD}, {BAD}]}}"
+    assert old in TINY
+    with pytest.raises(SweepError) as e:
+        load_sweep(sweep_file(tmp_path, TINY.replace(
+            old, "lr: {type: float, low: 0.001, high: 0.1, step: 1.0e-300}")))
+    assert str(e.value) == (f"{tmp_path / 'sweep.yaml'}: space.lr: step=1e-300 is too fine for "
+                            "low=0.001 and high=0.1: Optuna cannot make a range of it; use a "
+                            "coarser step"), str(e.value)
+
+
 def test_every_mistake_of_a_sweep_file_gets_its_line(tmp_path):
     bad = TINY.replace("trials: 8", "trails: 8").replace("name: random", "name: annealing") \
         .replace("grace_s: 4", "grace_s: 1000000000").replace("width: 8", "width: 0")
