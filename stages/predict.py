@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.cli import ArgumentParser, positive_int, run_stage
+from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import DataConfig, ParamsError
 from stages.images import DataError, decode_image, image_files
 
@@ -409,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
+    if sys.stdout is None:  # started with fd 1 closed: Python drops every print silently
+        raise UserError("stdout is closed (>&-): predict has nowhere to write its answers; "
+                        "redirect it, e.g. > answers.tsv")
     code = main()
     sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is then run_stage's quiet end
     sys.exit(code)

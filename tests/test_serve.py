@@ -495,6 +495,18 @@ def test_predict_into_a_pipe_closed_early_ends_quietly(champion, unbuffered):
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
 
 
+def test_predict_with_stdout_closed_says_so_in_one_line(champion):
+    """`python -m stages.predict data/samples/ >&-`: Python sets sys.stdout to None, so every
+    answer was lost silently, and the final flush ended in an AttributeError traceback."""
+    w, env = champion
+    p = subprocess.run([sys.executable, "-m", "stages.predict", str(ROOT / "data/samples")],
+                       cwd=w, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 1 and p.stderr == (
+        "error: stdout is closed (>&-): predict has nowhere to write its answers; redirect it, "
+        "e.g. > answers.tsv\n"), p.stderr
+
+
 def test_16_bit_palette_and_cmyk_images_are_answered_as_predict_does(server, champion, tmp_path):
     w, env = champion
     gray = np.asarray(Image.open(ROOT / "data/samples/3.png").convert("L"))
