@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -40,6 +41,9 @@ MAX_BODY_BYTES = 8 * 2**20
 FEW_BRACKETS = 100
 # What logs in to the tracking server (MLflow reads each from the environment).
 LOGIN = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+# The longest message an error reply of MLflow's server keeps: it repeats the request in its own
+# messages ("Failed to predict data '<every image>'"), 7 MB for a 7 MB request.
+MAX_ERROR_CHARS = 1000
 
 
 def curl_line(base: str) -> str:
@@ -77,6 +81,46 @@ def too_deep(body: bytes) -> bool:
     except ValueError:  # not JSON at all: MLflow's own 400 says so
         pass
     return False
+
+
+def not_utf8_at(body: bytes) -> int | None:
+    """The first byte that is not UTF-8, or None: MLflow's server answered such a body (a gzip
+    file, Latin-1) with Python's repr of all of it, twice (8 MB in, 80 MB out)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start
+    return None
+
+
+def cut_errors(send):
+    """`send` with each error reply's message cut to MAX_ERROR_CHARS, its length set again."""
+    start, parts = None, []
+
+    async def cutting(message) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            start = message
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        parts.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        body = b"".join(parts)
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # not MLflow's JSON: as is
+            reply = json.loads(body)
+            text = reply["message"]
+            if isinstance(text, str) and len(text) > MAX_ERROR_CHARS:
+                reply["message"] = (f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS:,} "
+                                    "characters cut: MLflow's server repeats the request)")
+                body = json.dumps(reply).encode()
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return cutting
 
 
 async def refuse(send, status: int, code: str, message: str) -> None:
@@ -118,6 +162,11 @@ class Bounded:
                 await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
                 return
         data = bytes(body)
+        if (at := await asyncio.to_thread(not_utf8_at, data)) is not None:
+            await refuse(send, 400, "BAD_REQUEST", f"the request is not UTF-8 text (byte {at} "
+                         "is not); send JSON, {\"inputs\": [<base64 image file>, ...]}, "
+                         "uncompressed")
+            return
         if await asyncio.to_thread(too_deep, data):  # other requests go on meanwhile
             await refuse(send, 400, "INVALID_PARAMETER_VALUE",
                          "the request's JSON is nested too deeply to parse; send "
@@ -132,7 +181,7 @@ class Bounded:
             replayed = True
             return {"type": "http.request", "body": data, "more_body": False}
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, cut_errors(send))
 
 
 def run_server(folder: Path, port: int) -> None:

@@ -448,6 +448,21 @@ def test_a_body_over_the_limit_gets_a_413_before_it_is_all_read(server):
     assert status == 200 and len(good["predictions"]) == 1
 
 
+def test_a_400_never_echoes_the_request(server):
+    """MLflow's server put the request into its 400s: a body that is not UTF-8 (a gzip file,
+    Latin-1) came back as Python's repr, twice, with a UnicodeDecodeError (8 MB in, 80 MB and
+    3.6 s out), and {"inputs": "<1 MB>"} came back whole."""
+    status, answer = post(server["base"], b'{"inputs": ["' + b"\xff" * 1_000_000 + b'"]}')
+    assert status == 400 and answer["message"] == (
+        "the request is not UTF-8 text (byte 13 is not); send JSON, {\"inputs\": [<base64 "
+        "image file>, ...]}, uncompressed"), answer
+    status, answer = post(server["base"], {"inputs": "A" * 1_000_000})
+    assert status == 400 and len(json.dumps(answer)) < 2000, len(json.dumps(answer))
+    assert answer["message"].endswith("characters cut: MLflow's server repeats the request)")
+    status, answer = post(server["base"], {"inputs": [b64(SAMPLES[7].read_bytes())]})
+    assert status == 200, answer  # and it goes on
+
+
 def test_the_pixels_of_a_request_are_bounded_before_any_is_decoded(server):
     """64 all-zero 4096x4096 PNGs are 1.4 MB of request and 13 s of decoding: each alone is
     allowed, together they are refused from their headers."""
