@@ -32,6 +32,11 @@ MAX_IMAGE_BYTES = 256 * 2**20
 # 4096x4096 image in 133 kB cost 15 s of CPU (an 8 MiB request to `make serve`, 20 minutes).
 # Encoders write about 10 (jpegtran -progressive: 10 for colour, 6 for grey).
 MAX_JPEG_SCANS = 100
+# The longest side read. Resizing to image_size allocates a filter tap per source pixel the
+# scale spans: a 33 kB PNG of 1x16,777,216 pixels (within serve's MAX_PIXELS) took 5 s and
+# 650 MB, and a 74-byte one of 1x100,000,000 ended prepare in a MemoryError. JPEG's own
+# limit, which no photo or scan reaches.
+MAX_SIDE = 65_535
 
 
 class DataError(UserError, ValueError):
@@ -167,6 +172,9 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
     if empty:
         raise DataError("empty file (0 bytes)")
     with open_image(source) as opened:
+        if max(opened.size) > MAX_SIDE:
+            raise DataError(f"{opened.width}x{opened.height} pixels: a side over {MAX_SIDE:,} "
+                            "(MAX_SIDE in stages/images.py); crop or resize it first")
         try:
             opened.load()  # decode it all now: a truncated file fails here, never padded silently
             img = to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")

@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -82,6 +83,25 @@ def test_a_postscript_file_among_the_images_is_listed_and_never_runs_ghostscript
     assert row["path"].endswith("drawing.png")
     assert row["reason"] == ("not an image file of a format read here (BMP, JPEG, PNG, TIFF, "
                              "WEBP); convert it, e.g. to PNG")
+
+
+def test_an_image_with_a_side_too_long_is_listed_not_a_memory_error(tmp_path):
+    """A 74-byte PNG declaring 1x100,000,000 pixels (under Pillow's bomb limit) ended prepare in
+    a MemoryError traceback: resizing it allocates a filter tap per source row."""
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=10, bad=False)
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return (struct.pack(">I", len(payload)) + kind + payload
+                + struct.pack(">I", zlib.crc32(kind + payload)))
+    (data / "circle/tall.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 100_000_000, 8, 0, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b""))
+    p = prepare(tmp_path, check=False, **folder_params(data, **{"data.max_rejected_fraction": "0.1"}))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    (row,) = csv.DictReader(open(tmp_path / "data/prepared/rejected.csv"))
+    assert row["path"].endswith("tall.png")
+    assert row["reason"] == ("1x100000000 pixels: a side over 65,535 (MAX_SIDE in "
+                             "stages/images.py); crop or resize it first")
 
 
 def test_given_splits_are_used_and_leakage_is_reported(tmp_path):

@@ -339,6 +339,15 @@ def bomb_png(width: int, height: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
 
 
+def tall_png(height: int) -> bytes:
+    """A whole PNG of 1 x height black pixels: 33 kB for 16,777,216."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0\0" * height, 9)) + chunk(b"IEND", b""))
+
+
 SAMPLE = (ROOT / "data/samples/4.png").read_bytes()
 BAD = {
     "not base64": ({"inputs": ["this is not base64!"]}, "image 0: not base64"),
@@ -353,6 +362,9 @@ BAD = {
     "an empty file": ({"inputs": [""]}, "image 0: not a readable image (empty"),
     "json nested 100000 deep": ("[" * 100_000, "nested too deeply"),
     "huge dimensions": ({"inputs": [b64(bomb_png(5000, 5000))]}, "image 0: 5000x5000 pixels"),
+    # Within MAX_PIXELS, but its resize to the model's size took 5 s and 650 MB.
+    "a side too long": ({"inputs": [b64(tall_png(16_777_216))]},
+                        "image 0: not a readable image (1x16777216 pixels: a side over 65,535"),
     "empty list": ({"inputs": []}, "no images"),
     "thousands of images": ({"inputs": [b64(SAMPLE)] * 3000}, "3000 images in one request"),
     "a number": ({"inputs": [b64(SAMPLE), 7]}, "image 1: a JSON int, not a string"),
