@@ -13,9 +13,9 @@ import re
 
 MASK = "***"
 _SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
-# scheme://user:PASSWORD@host: the password ends at the last @ before the path; libpq stops at a
-# `/`, so a password never holds one there.
-_USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)[^\s/]*@")
+# scheme://user:PASSWORD@host: the password ends at the last @ before the path; one with a `/`
+# in it (base64 passwords hold them) ends at the first @, where SQLAlchemy ends it, not libpq.
+_USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)(?:[^\s/]*|[^\s@]*)@")
 # ?password=...&: a query parameter's value ends at the next `&` or `#`.
 _QUERY = re.compile(rf"(?P<keep>[?&;]{_SECRET_KEY}=)[^&#\s]*", re.IGNORECASE)
 # password=... in a keyword string (libpq's `key = value`, single-quoted with \' or '' inside, or

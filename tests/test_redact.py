@@ -16,6 +16,10 @@ FORMS = {
     f"postgresql+psycopg://u:{SECRET}@h:5432/db": "postgresql+psycopg://u:***@h:5432/db",
     f"mysql+pymysql://u:p%40{SECRET}@h/db": "mysql+pymysql://u:***@h/db",
     f"postgresql://u:pa@{SECRET}@h/db": "postgresql://u:***@h/db",  # an unescaped @ in it
+    # an unescaped / in it (base64 passwords hold them): SQLAlchemy's password ends at the first @
+    f"postgresql://u:ab/{SECRET}+q==@h/db": "postgresql://u:***@h/db",
+    f"cannot open postgresql+psycopg://u:/{SECRET}/@h:5432/db: refused":
+        "cannot open postgresql+psycopg://u:***@h:5432/db: refused",
     f"http://alice:{SECRET}@mlflow.example.com:5000": "http://alice:***@mlflow.example.com:5000",
     # query parameters
     f"postgresql://u@h/db?password={SECRET}": "postgresql://u@h/db?password=***",
