@@ -627,17 +627,25 @@ def pinned_commit(remote: str) -> tuple[str, str]:
     def git(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *argv], capture_output=True, text=True)
 
+    from stages.redact import holds_password
+
     url = git("remote", "get-url", remote).stdout.strip() or remote
+    if holds_password(url):
+        # Every worker's `git clone URL` shows it in `ps`, each clone keeps it in .git/config and
+        # the study keeps it for every user of its storage.
+        raise SweepError(f"REMOTE={shown(remote)}: its URL {shown(url)} holds a password, which "
+                         "the workers' `git clone` would show to every user: let git find it "
+                         "instead (a credential helper, or an SSH URL with a key)")
     commit = git("rev-parse", "HEAD").stdout.strip()
     listed = git("ls-remote", url)
     if listed.returncode:
-        raise SweepError(f"REMOTE={remote}: {last_error(listed.stderr)}; give a git remote the "
-                         "workers can clone (a name from `git remote -v`, or a URL)")
+        raise SweepError(f"REMOTE={shown(remote)}: {last_error(listed.stderr)}; give a git remote "
+                         "the workers can clone (a name from `git remote -v`, or a URL)")
     tips = {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
     if commit not in tips and not any(git("merge-base", "--is-ancestor", commit, t).returncode == 0
                                       for t in tips):
-        raise SweepError(f"HEAD {commit[:7]} is not on REMOTE={remote}: `git push {remote}` it "
-                         "first; every worker clones that commit from there")
+        raise SweepError(f"HEAD {commit[:7]} is not on REMOTE={shown(remote)}: `git push "
+                         f"{shown(remote)}` it first; every worker clones that commit from there")
     if git("status", "--porcelain", "--untracked-files=no").stdout.strip():
         print(f"warning: uncommitted changes are not part of the sweep: workers run {commit[:7]}",
               file=sys.stderr)

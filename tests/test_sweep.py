@@ -412,3 +412,19 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     run(["git", "clone", "-q", str(repo), str(tmp_path / "clone")], tmp_path)
     assert not has_dvc_remote(tmp_path / "clone")
     assert use_dvc_remote(tmp_path / "clone", url) and has_dvc_remote(tmp_path / "clone")
+
+
+def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):
+    """Workers clone the remote's URL: a token in it would be on every worker's `git clone`
+    command line (`ps`), in each clone's .git/config and in the study for every user of its
+    storage. Refused before any work, without showing it, whether REMOTE names it or is it."""
+    repo = copy_repo(tmp_path / "repo")
+    token, url = "ghp_S3cr3tT0ken", "https://sweeper:ghp_S3cr3tT0ken@127.0.0.1:1/team/repo.git"
+    run(["git", "remote", "add", "origin", url], repo)
+    for remote in ("origin", url):
+        p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--trials", "1",
+                 "--remote", remote, "--study", "token", "--storage",
+                 "postgresql://optuna@127.0.0.1:1/sweeps"], repo, check=False, timeout=120)
+        assert p.returncode == 1 and token not in p.stdout + p.stderr, (p.stdout, p.stderr)
+        assert p.stderr.startswith("error: REMOTE=") and "holds a password" in p.stderr and \
+            "sweeper:***@" in p.stderr and p.stderr.count("\n") == 1, p.stderr
