@@ -34,3 +34,24 @@ def masked(text: str) -> str:
 
 def holds_password(text: str) -> bool:
     return masked(text) != text
+
+
+def masked_uri(uri: str) -> str:
+    """A database URI (or libpq keyword string) without its password as SQLAlchemy, MLflow's and
+    Optuna's parser, reads it: a raw blank or quote in the password, which would end a URI in
+    free text, is still the password there (`postgresql://u:a b@h/db` connects with `a b`)."""
+    text = masked(uri)
+    try:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(text)
+    except Exception:  # noqa: BLE001 - not a URI SQLAlchemy reads: masked() is all there is
+        return text
+    secret = re.compile(_SECRET_KEY, re.IGNORECASE)
+    # SQLAlchemy keeps a #fragment in the last value: `***#x` is masked already.
+    hidden = {k: MASK for k, v in url.query.items()
+              if secret.fullmatch(k) and not re.fullmatch(r"\*\*\*(#\S*)?", str(v))}
+    if url.password in (None, MASK) and not hidden:
+        return text
+    shown = url.set(query={**url.query, **hidden}).render_as_string(hide_password=True)
+    return shown.replace("%2A%2A%2A", MASK)

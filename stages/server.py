@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import load_params
-from stages.redact import holds_password, masked
+from stages.redact import masked, masked_uri
 from stages.tracking import reason
 from stages.ui import last_lines, private_folder, started
 
@@ -50,13 +50,13 @@ def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tupl
     if not db:
         mistakes.append("no database: `make server DB=postgresql://USER@HOST/DB ...` (README: A "
                         "team's tracking server); the password goes in PGPASSWORD or ~/.pgpass")
-    elif holds_password(db):
+    elif masked_uri(db) != db:
         # The URI is on the command line of this process, `mlflow db upgrade` and the server for
         # as long as it runs: `ps` shows it to every user of the machine.
-        mistakes.append(f"DB={masked(db)} holds a password, which `ps` shows to every user: take "
+        mistakes.append(f"DB={masked_uri(db)} holds a password, which `ps` shows to every user: take "
                         "it out of DB and put it in ~/.pgpass (0600) or PGPASSWORD")
     elif urlsplit(db).scheme.split("+")[0] not in DATABASES:
-        mistakes.append(f"DB={masked(db)} is not a database URI; use postgresql://USER@HOST/DB "
+        mistakes.append(f"DB={masked_uri(db)} is not a database URI; use postgresql://USER@HOST/DB "
                         f"(or another of {', '.join(DATABASES)})")
     if not artifacts:
         mistakes.append("no artifacts destination: `make server ARTIFACTS=/srv/mlartifacts` (a "
@@ -111,12 +111,12 @@ def upgrade(db: str) -> None:
     if unknown:
         import mlflow
 
-        raise UserError(f"DB={masked(db)} has schema revision {unknown[1]}, which MLflow "
+        raise UserError(f"DB={masked_uri(db)} has schema revision {unknown[1]}, which MLflow "
                         f"{mlflow.__version__} does not know: a newer MLflow migrated it. Run the "
                         "server with that MLflow, or point DB at another database")
     last = [line.strip() for line in out.splitlines() if line.strip()
             and not line.startswith((" ", "\t", "(Background", "Traceback"))]
-    raise UserError(f"`mlflow db upgrade` failed on DB={masked(db)}: "
+    raise UserError(f"`mlflow db upgrade` failed on DB={masked_uri(db)}: "
                     f"{last[-1] if last else 'no output'}")
 
 
@@ -148,7 +148,7 @@ def apply_admin_password(db: str, admin: str, password: str) -> bool:
     try:
         store.init_db(db)  # basic-auth's own tables and migrations, as the server would make them
     except Exception as e:  # noqa: BLE001 - the database refused: one line, the URI masked
-        raise UserError(f"cannot open basic-auth's tables in DB={masked(db)}: {reason(e)}") from None
+        raise UserError(f"cannot open basic-auth's tables in DB={masked_uri(db)}: {reason(e)}") from None
     try:
         if not store.has_user(admin, use_primary=True) or store.authenticate_user(
                 admin, password, use_primary=True):
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"PORT={args.port!r} is not a port: `make server PORT=5000 ...`")
     args.port = int(args.port)
     check_port(args.host, args.port)
-    print(f"mlflow db upgrade {masked(args.db)}", flush=True)
+    print(f"mlflow db upgrade {masked_uri(args.db)}", flush=True)
     upgrade(args.db)
     if apply_admin_password(args.db, admin, os.environ["MLFLOW_TRACKING_PASSWORD"]):
         print(f"the admin {admin!r} had another password: it is now MLFLOW_TRACKING_PASSWORD's, "
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                      args.timeout, f"its log: {log}") as server:
             claim_names(f"http://127.0.0.1:{args.port}", names.mlflow.experiment,
                         names.export.register_as)
-            print(f"MLflow server ready on {url} (Ctrl-C stops it); runs in {masked(args.db)}, "
+            print(f"MLflow server ready on {url} (Ctrl-C stops it); runs in {masked_uri(args.db)}, "
                   f"artifacts in {artifacts}. Each client, before make repro / dvc exp run:\n"
                   f"  export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user>\n"
                   "  export MLFLOW_TRACKING_PASSWORD=<password>   # e.g. read -rs "

@@ -315,9 +315,9 @@ def storage_uri(given: str | None, workers: int) -> str:
 def shown(uri: str) -> str:
     """The URI (or a message naming it) without its password, in any of its forms: it goes into
     messages and MLflow tags."""
-    from stages.redact import masked
+    from stages.redact import masked_uri
 
-    return masked(uri)
+    return masked_uri(uri)
 
 
 def bound_connect_time() -> None:

@@ -61,11 +61,33 @@ def test_text_without_a_password_is_left_as_it_is(text):
     assert masked(text) == text and not holds_password(text)
 
 
+# Raw blanks and quotes, which SQLAlchemy (MLflow's and Optuna's URI parser) takes into the
+# password, where free text would end a URI.
+RAW = {f"postgresql://u:{SECRET} with blanks@h:5432/db": "postgresql://u:***@h:5432/db",
+       f"postgresql+psycopg://u:'{SECRET}' x@h/db?sslmode=disable":
+           "postgresql+psycopg://u:***@h/db?sslmode=disable",
+       f"postgresql://u@h/db?password='{SECRET} x'&sslmode=disable":
+           "postgresql://u@h/db?password=***&sslmode=disable"}
+
+
+@pytest.mark.parametrize("uri", list(RAW))
+def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
+    from stages.redact import masked_uri
+
+    assert masked_uri(uri) == RAW[uri] and SECRET not in masked_uri(uri)
+    for text, want in FORMS.items():  # what masked() already masks stays as it is
+        assert masked_uri(text) == want
+    for text in KEPT:
+        assert masked_uri(text) == text
+
+
 def test_the_server_and_the_sweep_mask_with_the_one_owner():
     from stages import server, sweep
 
     for text, want in FORMS.items():
         assert server.masked(text) == want and sweep.shown(text) == want
+    for uri, want in RAW.items():
+        assert sweep.shown(uri) == want and server.masked_uri(uri) == want
 
 
 def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres):  # noqa: F811

@@ -80,7 +80,10 @@ def test_every_mistake_is_a_line_and_a_password_in_db_is_refused_unseen(tmp_path
     secret = "db-secret-9f3"
     for db in (f"postgresql://mlflow:{secret}@127.0.0.1:1/mlflow",
                f"postgresql://mlflow@127.0.0.1:1/mlflow?sslmode=disable&password={secret}",
-               f"host=127.0.0.1 port=1 password='{secret} x' dbname=mlflow"):
+               f"host=127.0.0.1 port=1 password='{secret} x' dbname=mlflow",
+               # what SQLAlchemy reads as the password: a raw blank, an unescaped /
+               f"postgresql://mlflow:{secret} x@127.0.0.1:1/mlflow",
+               f"postgresql://mlflow:ab/{secret}@127.0.0.1:1/mlflow"):
         p = start_server("--db", db, "--artifacts", art, "--port", "5999", env=env)
         line = one_error_line(p)
         assert "holds a password, which `ps` shows" in line and "~/.pgpass" in line, line
