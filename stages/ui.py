@@ -68,12 +68,20 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else
 
 
 def _die_with_parent(parent: int) -> None:
-    """In the child, before exec: SIGTERM when this command dies, even by SIGKILL, which leaves
-    it no chance to stop the server (that then forwards the signal to its workers)."""
+    """SIGTERM to this process when `parent` dies, even by SIGKILL. In the server, before exec:
+    this command's death leaves it no chance to stop the server (which then forwards the signal
+    to its workers); in this command under make: make's."""
     if _prctl is not None:
         _prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the line above
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _parent_is_make() -> bool:
+    try:
+        return Path(f"/proc/{os.getppid()}/comm").read_text().strip() in ("make", "gmake")
+    except OSError:  # not Linux: no PR_SET_PDEATHSIG either
+        return False
 
 
 @contextmanager
@@ -82,6 +90,10 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
     """`cmd` in its own process group with its output in `log` (a new file in a private
     folder); yields once `health` answers. Ctrl-C, SIGTERM, a closed terminal, an error or this
     process's death end the whole group; `hint` says what to do when it never answers."""
+    if _parent_is_make():
+        # `kill -9` of make leaves this process nobody's, and the server with it, holding the
+        # port. Another parent (a shell under nohup, systemd, pytest) may end while it serves.
+        _die_with_parent(os.getppid())
     parent = os.getpid()
     with open(log, "x") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -59,3 +59,30 @@ def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_
         planted.unlink(missing_ok=True)
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_make_killed_ends_the_server_it_started(tmp_path):
+    """SIGKILL of `make ui` (or `make server`: the same `started`) leaves nothing to stop the
+    server, and it served on, holding the port, with no command left to Ctrl-C."""
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen(["make", "-s", "ui", f"UI_PORT={port}"], cwd=ROOT,
+                            env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    everything = []
+    try:
+        for line in proc.stdout:  # make ends only when killed: the loop ends at the address
+            if line.startswith(f"http://127.0.0.1:{port}"):
+                break
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        assert len(everything) >= 2, everything  # stages.ui and the MLflow server, at least
+        proc.kill()  # make alone, as `kill -9` on its pid: stages.ui's parent is gone
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(everything, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        for p in everything:
+            if p.is_running():
+                p.kill()
