@@ -106,7 +106,8 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
         deadline = time.monotonic() + timeout
         while not answers(health):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise UserError(f"the {name} did not start ({last_lines(log)}); {hint}")
+                # The log's last lines may name the store, its password too.
+                raise UserError(masked(f"the {name} did not start ({last_lines(log)}); {hint}"))
             time.sleep(0.5)
         yield server
     except KeyboardInterrupt:
@@ -132,9 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     base, hosts = f"http://127.0.0.1:{args.port}", f"127.0.0.1:{args.port},localhost:{args.port}"
     log = private_folder("ui") / "ui.log"
-    env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning")  # Starlette's, not ours
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host",
-           "127.0.0.1", "--port", str(args.port), "--allowed-hosts", hosts, "--workers", "1"]
+    # The store in the environment, not on the command line: `ps` shows a database password
+    # there to every user. (PYTHONWARNINGS: Starlette's, not ours.)
+    env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning", MLFLOW_BACKEND_STORE_URI=uri)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(args.port),
+           "--allowed-hosts", hosts, "--workers", "1"]
     # No address yet: one printed before the server answers is one a user opens too early.
     print(f"starting the MLflow UI on port {args.port} (7-60 s; its log: {log})", flush=True)
     with ThreadPoolExecutor(1) as pool:

@@ -86,3 +86,33 @@ def test_make_killed_ends_the_server_it_started(tmp_path):
         for p in everything:
             if p.is_running():
                 p.kill()
+
+
+def test_a_store_s_password_is_on_no_command_line_and_in_no_message(tmp_path):
+    """MLFLOW_TRACKING_URI=postgresql://user:password@host/db: `mlflow ui --backend-store-uri
+    URI` showed the password to every user of the machine (`ps`) for the UI's life."""
+    import psutil
+
+    secret = "store-S3cr3t"
+    proc = subprocess.Popen([sys.executable, "-m", "stages.ui", "--port", str(free_port()),
+                             "--timeout", "20"], cwd=ROOT, env=env_with(
+        MLFLOW_TRACKING_URI=f"postgresql://mlflow:{secret}@127.0.0.1:1/mlflow"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen, deadline = set(), time.monotonic() + 15
+        while time.monotonic() < deadline and proc.poll() is None:
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    seen.add(" ".join(p.cmdline()))
+                except psutil.NoSuchProcess:
+                    continue
+            time.sleep(0.5)
+        assert any("mlflow" in c for c in seen), seen
+        assert not [c for c in seen if secret in c], seen
+        # MLflow's own retries (and the runs table's lookup, in a thread) take about 100 s.
+        out = proc.communicate(timeout=300)[0]
+        assert secret not in out and "did not start" in out, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
