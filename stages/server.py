@@ -159,18 +159,20 @@ def apply_admin_password(db: str, admin: str, password: str) -> bool:
         store.engine.dispose()
 
 
-def claim_names(url: str, experiment: str, model: str) -> None:
+def claim_names(url: str, experiment: str, model: str) -> str:
     """The experiment and registered model every clone logs to and `make serve` serves from,
     created by the admin before anyone else can: whoever creates one owns it (MANAGE), so a
-    member who came first would own the champion. Members log there once granted EDIT."""
+    member who came first would own the champion. Members log there once granted EDIT.
+    Returns the experiment's id."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     from stages.tracking import EXPERIMENT_TAGS
     client = mlflow.MlflowClient(url)
     try:
-        if client.get_experiment_by_name(experiment) is None:
-            client.create_experiment(experiment, tags=EXPERIMENT_TAGS)
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment,
+                                                                        tags=EXPERIMENT_TAGS)
         try:
             client.get_registered_model(model)
         except MlflowException:
@@ -178,6 +180,39 @@ def claim_names(url: str, experiment: str, model: str) -> None:
     except MlflowException as e:
         raise UserError(f"cannot create experiment {experiment!r} and registered model {model!r} "
                         f"as the admin: {reason(e)}") from None
+    if exp is not None and exp.lifecycle_stage == "deleted":
+        print(f"warning: experiment {experiment!r} (id {exp_id}) is deleted: no run can be "
+              f"logged until it is restored: MLFLOW_TRACKING_URI={url} mlflow experiments "
+              f"restore --experiment-id {exp_id}", file=sys.stderr, flush=True)
+    return exp_id
+
+
+def other_managers(db: str, admin: str, experiment: str, exp_id: str, model: str) -> list[str]:
+    """Who besides the admin may manage the names (delete them, grant and revoke): a member
+    who created one while it did not exist (before this server claimed it, or after the admin
+    deleted it). One line each, naming the way back."""
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+    store = SqlAlchemyStore()
+    store.init_db(db)
+    found = []
+    try:
+        for user in store.list_users():
+            if user.username == admin or user.is_admin:
+                continue
+            if any(p.experiment_id == exp_id and p.permission == "MANAGE"
+                   for p in store.list_experiment_permissions(user.username)):
+                found.append(f"user {user.username!r} can manage experiment {experiment!r} "
+                             "(created it): delete or demote that permission (README, A team's "
+                             "tracking server)")
+            if any(p.name == model and p.permission == "MANAGE"
+                   for p in store.list_registered_model_permissions(user.username)):
+                found.append(f"user {user.username!r} can manage registered model {model!r} "
+                             "and so the champion `make serve` serves (created it): delete or "
+                             "demote that permission (README, A team's tracking server)")
+    finally:
+        store.engine.dispose()
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,16 +262,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with started("MLflow server", cmd, env, log, f"http://127.0.0.1:{args.port}/health",
                      args.timeout, f"its log: {log}") as server:
-            claim_names(f"http://127.0.0.1:{args.port}", names.mlflow.experiment,
-                        names.export.register_as)
+            experiment, model = names.mlflow.experiment, names.export.register_as
+            exp_id = claim_names(f"http://127.0.0.1:{args.port}", experiment, model)
+            others = other_managers(args.db, admin, experiment, exp_id, model)
+            for line in others:
+                print(f"warning: {line}", file=sys.stderr, flush=True)
             print(f"MLflow server ready on {url} (Ctrl-C stops it); runs in {masked_uri(args.db)}, "
                   f"artifacts in {artifacts}. Each client, before make repro / dvc exp run:\n"
                   f"  export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user>\n"
                   "  export MLFLOW_TRACKING_PASSWORD=<password>   # e.g. read -rs "
                   "MLFLOW_TRACKING_PASSWORD; export MLFLOW_TRACKING_PASSWORD\n"
                   f"Users and permissions: README, A team's tracking server ({admin} is the "
-                  f"admin; experiment {names.mlflow.experiment!r} and registered model "
-                  f"{names.export.register_as!r} are the admin's: grant members EDIT)", flush=True)
+                  f"admin; experiment {experiment!r} and registered model {model!r} are the "
+                  f"admin's{', and a member can manage them (above)' if others else ''}: grant "
+                  "members EDIT)", flush=True)
             code = server.wait()
             # Only a server that ended on its own gets here: Ctrl-C and SIGTERM end this process.
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

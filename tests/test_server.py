@@ -512,3 +512,44 @@ def test_the_server_lives_and_dies_with_its_command(postgres, tmp_path):  # noqa
             for p in [proc, *psutil.Process(proc.pid).children(recursive=True)] if \
                     proc.poll() is None else []:
                 p.kill()
+
+
+def test_a_restart_names_a_member_who_took_a_name_and_a_deleted_experiment(postgres, tmp_path):  # noqa: F811
+    """The admin deleted the registered model and a member created it anew (MANAGE: the
+    champion is theirs), and deleted the experiment: the restart said both were the admin's
+    and ready, and no run could be logged."""
+    import mlflow
+    import mlflow.server
+
+    from tests.services import free_port
+
+    db = create_database(postgres, f"squat_{secrets.token_hex(4)}")
+    password, port = f"pw-{secrets.token_hex(8)}", free_port()
+    uri = f"http://127.0.0.1:{port}"
+    first, _ = start_own_server(db, tmp_path / "s", port, password)
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+            env.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            mlflow.server.get_app_client("basic-auth", tracking_uri=uri).create_user(
+                "squatter", "squatter-password-1")
+            admin = mlflow.MlflowClient(uri)
+            admin.delete_registered_model("reprotrain")
+            exp_id = admin.get_experiment_by_name("reprotrain").experiment_id
+            admin.delete_experiment(exp_id)
+            env.setenv("MLFLOW_TRACKING_USERNAME", "squatter")
+            env.setenv("MLFLOW_TRACKING_PASSWORD", "squatter-password-1")
+            mlflow.MlflowClient(uri).create_registered_model("reprotrain")
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+    second, out = start_own_server(db, tmp_path / "s", port, password)
+    try:
+        said = out.read_text()
+        assert "warning: user 'squatter' can manage registered model 'reprotrain'" in said, said
+        assert f"warning: experiment 'reprotrain' (id {exp_id}) is deleted" in said, said
+        assert f"experiments restore --experiment-id {exp_id}" in said
+        assert "and a member can manage them (above)" in said
+    finally:
+        second.terminate()
+        second.wait(timeout=60)
