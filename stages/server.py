@@ -96,7 +96,8 @@ def check_port(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}): is another server "
+        # os.strerror: asyncio-style errors append "(while attempting to bind ...)" to strerror.
+        raise UserError(f"cannot listen on {host}:{port} ({os.strerror(e.errno)}): is another server "
                         f"there? choose another PORT") from e
 
 

@@ -553,3 +553,19 @@ def test_a_restart_names_a_member_who_took_a_name_and_a_deleted_experiment(postg
     finally:
         second.terminate()
         second.wait(timeout=60)
+
+
+def test_a_port_in_use_is_one_plain_line():
+    """A second `make server` on the first one's port: the line said `(Address already in
+    use (while attempting to bind on address ('127.0.0.1', N)))`."""
+    import socket
+
+    from stages.cli import UserError
+    from stages.server import check_port
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError) as e:
+            check_port("127.0.0.1", port)
+    assert str(e.value) == (f"cannot listen on 127.0.0.1:{port} (Address already in use): is "
+                            "another server there? choose another PORT")
