@@ -99,8 +99,13 @@ serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT
 # never from the command line, where `ps` would show them.
 HOST ?= 127.0.0.1
 ALLOWED_HOSTS ?=
+# The values reach the recipe through the environment: quoted into the line, a quote or a
+# blank in DB (`password='a b'`) split it, and the server never saw the password it refuses.
+server: export REPROTRAIN_SERVER_ARGS_DB := $(DB)
+server: export REPROTRAIN_SERVER_ARGS_ARTIFACTS := $(ARTIFACTS)
 server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIFACTS=dir|s3://... PORT=5000
-	@$(PY) -m stages.server --db '$(DB)' --artifacts '$(ARTIFACTS)' --port '$(PORT)' --host '$(HOST)' \
+	@$(PY) -m stages.server --db "$$REPROTRAIN_SERVER_ARGS_DB" \
+		--artifacts "$$REPROTRAIN_SERVER_ARGS_ARTIFACTS" --port '$(PORT)' --host '$(HOST)' \
 		--allowed-hosts '$(ALLOWED_HOSTS)'
 
 # Headline metrics, lr, epochs and batch_size always; other params only where the rows differ;

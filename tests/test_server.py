@@ -569,3 +569,18 @@ def test_a_port_in_use_is_one_plain_line():
             check_port("127.0.0.1", port)
     assert str(e.value) == (f"cannot listen on 127.0.0.1:{port} (Address already in use): is "
                             "another server there? choose another PORT")
+
+
+def test_make_server_takes_a_db_with_quotes_and_blanks_as_one_value(tmp_path):
+    """`make server DB="host=h password='a b' ..."`: the recipe's single quotes split it, so
+    the server never saw the password to refuse it and argparse echoed the rest of it."""
+    secret = "S3cr3t x9q"
+    for db in (f"host=127.0.0.1 port=1 password='{secret}' dbname=mlflow",
+               "postgresql://mlflow@127.0.0.1:1/it's"):
+        p = subprocess.run(["make", "-s", "server", f"DB={db}", f"ARTIFACTS={tmp_path / 'a'}",
+                            "PORT=5999"], cwd=ROOT, env=server_env("admin", "short"),
+                           capture_output=True, text=True, timeout=120)
+        out = p.stdout + p.stderr
+        assert p.returncode != 0 and "x9q" not in out and "S3cr3t" not in out, out
+        assert "MLFLOW_TRACKING_PASSWORD is too short" in out, out  # it reached the checks
+        assert "holds a password" in out or "password" not in db, out
