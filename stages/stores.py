@@ -20,6 +20,9 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 SPOOL = ".mlflow-spool"
 SERVER_RUN = "reprotrain.server_run_id"  # a spooled run continues this run of the server
 SYNCED = "reprotrain.synced"  # a spooled run already sent whole (to <server>@<end time>)
+# On a spooled logged model: the server's model it is a copy of (logged there before the server
+# failed at the registration); sync registers that one rather than uploading it again.
+SERVER_MODEL = "reprotrain.server_model_id"
 PROBE_S = 2.0
 
 

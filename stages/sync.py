@@ -343,6 +343,8 @@ def _sync_models(src, dst, run, target: str, exp_id: str, origin: str) -> int:
                                           filter_string=f"source_run_id = '{run_id}'"):
         key = f"{origin}#{model.model_id}"
         copy = mine.get(key)
+        if copy is None and (server_model := model.tags.get(stores.SERVER_MODEL)):
+            copy = _logged_model(dst, server_model)  # export logged it there before a failure
         if copy is None:
             copy = dst.create_logged_model(exp_id, name=model.name, source_run_id=target,
                                            tags={**model.tags, SOURCE_MODEL: key},
@@ -361,6 +363,18 @@ def _sync_models(src, dst, run, target: str, exp_id: str, origin: str) -> int:
     return _sync_versions(src, dst, run_id, target, ids, origin)
 
 
+def _logged_model(dst, model_id: str):
+    """The target's logged model `model_id`, or None when it does not have it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return dst.get_logged_model(model_id)
+    except MlflowException as e:
+        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED", "NOT_FOUND"):
+            raise
+        return None
+
+
 def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], origin: str) -> int:
     from mlflow.exceptions import MlflowException
 
@@ -369,10 +383,20 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
                       key=lambda v: v.creation_timestamp)
     if not versions:
         return 0
-    mine = {v.tags.get(SOURCE_VERSION): v for v in dst.search_model_versions(f"run_id = '{target}'")}
+    there = dst.search_model_versions(f"run_id = '{target}'")
+    mine = {v.tags.get(SOURCE_VERSION): v for v in there}
+    # Versions export registered on the server itself before it failed (a tag or an alias
+    # call): by their logged model; the spool's version of it is the same one.
+    direct = {(v.name, v.model_id or v.source.removeprefix("models:/")): v for v in there
+              if SOURCE_VERSION not in v.tags}
     for v in versions:
         key = f"{origin}#{v.name}/{v.version}"
-        copy = mine.get(key)
+        mapped = ids.get(v.model_id or v.source.removeprefix("models:/"))
+        copy = mine.get(key) or direct.pop((v.name, mapped), None)
+        if copy is not None and copy.tags.get(SOURCE_VERSION) != key:
+            for k, value in {**v.tags, SOURCE_VERSION: key}.items():
+                if copy.tags.get(k) != value:
+                    dst.set_model_version_tag(v.name, copy.version, k, value)
         if copy is None:
             try:
                 dst.create_registered_model(v.name)

@@ -39,6 +39,7 @@ from stages.config import MlflowConfig, flatten, repo_root
 from stages.files import file_hash, write_json
 from stages.metrics import MLFLOW_NAMES
 from stages.stores import (
+    SERVER_MODEL,
     SERVER_RUN,
     SPOOL,
     SYNCED,
@@ -278,6 +279,9 @@ class Tracker:
         # Steps sent asynchronously and not yet confirmed: a server that dies loses its queue,
         # so they go to the spool again (sync skips those the server did store).
         self.pending: list[tuple[dict[str, float], int, int, Any]] = []
+        # The served model's name and arguments: a registration the server fails is made in the
+        # spool, which needs the model itself, not the server's id of it.
+        self.served: tuple[str, dict[str, Any]] | None = None
 
     def resume(self) -> None:
         """A run resumed from a checkpoint repeats what it logged after that checkpoint (the
@@ -439,6 +443,7 @@ class Tracker:
         None when tracking is off."""
         import mlflow.pyfunc
 
+        self.served = (name, kwargs)
         return self._call(mlflow.pyfunc.log_model, name=name, **kwargs)
 
     def register(self, model_uri: str, name: str, accuracy: float) -> dict | None:
@@ -446,13 +451,33 @@ class Tracker:
         accuracy beats the current champion's (or there is none). Registered in the spool, it
         says so here and returns None: a champion there is only the laptop's, and `make sync`
         decides it against the server's."""
-        reg = self._call(_register, model_uri, name, accuracy)
+        reg = self._call(self._register, model_uri, name, accuracy)
         if reg and self.spooled:
             print(f"registered {name} in the local spool ({SPOOL}/), not on the server, which "
                   "did not answer: `make sync` registers it there, champion if it beats the "
                   "server's")
             return None
         return reg
+
+
+    def _register(self, model_uri: str, name: str, accuracy: float) -> dict:
+        """`_register`; in the spool, a model logged on the server before it failed is logged
+        again there (the spool cannot register the server's), naming the server's copy."""
+        import mlflow
+        import mlflow.pyfunc
+        from mlflow.exceptions import MlflowException
+
+        if self.spooled and self.served and model_uri.startswith("models:/m-"):
+            server_model = model_uri.removeprefix("models:/")
+            try:
+                mlflow.MlflowClient().get_logged_model(server_model)
+            except MlflowException:
+                served, kwargs = self.served
+                info = mlflow.pyfunc.log_model(name=served, **kwargs)
+                mlflow.MlflowClient().set_logged_model_tags(info.model_id,
+                                                            {SERVER_MODEL: server_model})
+                model_uri = info.model_uri
+        return _register(model_uri, name, accuracy)
 
 
 def _log_dataset(meta: dict, root: str) -> None:

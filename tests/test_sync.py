@@ -389,17 +389,21 @@ def logged_in(server: MlflowServer, uri: str, w: Path, **extra: str) -> dict[str
 class FaultyProxy:
     """A real loopback reverse proxy before the server, as nginx would be: it forwards
     (`mode = "forward"`), answers 502 to everything as when its MLflow is down (`"502"`), or
-    forwards /health and lets every API call hang (`"hang"`)."""
+    forwards /health and lets every API call hang (`"hang"`); whatever the mode, it answers 503
+    to each call whose path holds `fails` (one endpoint failing while the others work)."""
 
     def __init__(self, upstream: str):
         import http.server
         import threading
 
-        self.mode, self.released = "forward", threading.Event()
+        self.mode, self.released, self.fails = "forward", threading.Event(), ""
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def forward(self) -> None:
+                if proxy.fails and proxy.fails in self.path:
+                    self.send_error(503, "Service Unavailable")
+                    return
                 if proxy.mode == "502":
                     self.send_error(502, "Bad Gateway")
                     return
@@ -536,6 +540,33 @@ def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, a
     if failure == "502 mid-run":  # the run began on the server: the spool's part merged into it
         assert r.info.run_id == link["run_id"]
     assert_history_once(admin, r.info.run_id, w)
+
+
+@pytest.mark.slow
+def test_a_registration_the_server_fails_lands_once_with_its_model(team, admin, tmp_path, digits):
+    """Export logs its model on the server, then the server fails only the registration (503
+    on registered-models/create): the version goes to the spool, with the model (the spool
+    cannot register the server's), and `make sync` registers it once, on the model the server
+    already holds: one logged model, one version, champion."""
+    server, _ = team
+    name = f"reg-{os.urandom(3).hex()}"
+    w = workspace(tmp_path / "w", digits, epochs="2", **{"mlflow.experiment": name,
+                                                          "export.register_as": name})
+    for step in ("train", "evaluate"):
+        run([sys.executable, "-m", f"stages.{step}"], w, env=logged_in(server, server.uri, w))
+    with faulty_proxy(server.uri) as proxy:
+        proxy.fails = "registered-models/create"
+        p = run([sys.executable, "-m", "stages.export"], w, env=logged_in(server, proxy.uri, w))
+    assert "continuing without tracking" not in p.stderr, p.stderr
+    assert f"registered {name} in the local spool" in p.stdout, p.stdout
+    for _ in range(2):
+        run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
+    [r] = server_runs(admin, name)
+    [version] = admin.search_model_versions(f"name = '{name}'")
+    [model] = admin.search_logged_models([r.info.experiment_id])
+    assert version.run_id == r.info.run_id and version.source == f"models:/{model.model_id}"
+    assert str(model.status) == "READY" and version.tags["eval.accuracy"]
+    assert admin.get_model_version_by_alias(name, "champion").version == version.version
 
 
 def stores_spool(w: Path) -> str:
