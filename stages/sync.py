@@ -247,14 +247,23 @@ def _target_run(src, dst, run, exp_id: str, origin: str) -> tuple[str, bool, boo
         except MlflowException:  # not on this server: the spooled part becomes a run of its own
             pass
     key = f"{origin}#{run.info.run_id}"
-    found = dst.search_runs([exp_id], filter_string=f"tags.`{SOURCE_RUN}` = '{key}'",
-                            max_results=1)
+    found = _one_run(dst, exp_id, key)
     if found:
-        return found[0].info.run_id, False, False
+        return found, False, False
     tags = {k: v for k, v in run.data.tags.items() if k not in LOCAL_TAGS} | {SOURCE_RUN: key}
-    made = dst.create_run(exp_id, start_time=run.info.start_time, tags=tags,
-                          run_name=run.info.run_name)
-    return made.info.run_id, False, True
+    dst.create_run(exp_id, start_time=run.info.start_time, tags=tags, run_name=run.info.run_name)
+    return _one_run(dst, exp_id, key), False, True
+
+
+def _one_run(dst, exp_id: str, key: str) -> str | None:
+    """The target's run tagged `key`, made one: MLflow retries a POST whose answer was lost (a
+    proxy's 504 after the server made the run), and the retry makes a second one. The first
+    by id is kept and the others deleted (restorable): the source holds all they could have."""
+    found = sorted(r.info.run_id for r in dst.search_runs(
+        [exp_id], filter_string=f"tags.`{SOURCE_RUN}` = '{key}'", max_results=100))
+    for extra in found[1:]:
+        dst.delete_run(extra)
+    return found[0] if found else None
 
 
 def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
@@ -406,9 +415,16 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
             # A version of a logged model names it in its source (`models:/m-...`).
             model_id = ids.get(v.model_id or v.source.removeprefix("models:/"))
             source = f"models:/{model_id}" if model_id else v.source
-            copy = dst.create_model_version(v.name, source, run_id=target, model_id=model_id,
-                                            tags={**v.tags, SOURCE_VERSION: key},
-                                            description=v.description, await_creation_for=0)
+            dst.create_model_version(v.name, source, run_id=target, model_id=model_id,
+                                     tags={**v.tags, SOURCE_VERSION: key},
+                                     description=v.description, await_creation_for=0)
+            # A retried POST whose answer was lost makes a second version: the first is kept.
+            copies = sorted((c for c in dst.search_model_versions(f"run_id = '{target}'")
+                             if c.name == v.name and c.tags.get(SOURCE_VERSION) == key),
+                            key=lambda c: int(c.version))
+            for extra in copies[1:]:
+                dst.delete_model_version(v.name, extra.version)
+            copy = copies[0]
             made += 1
         if copy.tags.get(ALIASES_SET):
             continue

@@ -390,13 +390,15 @@ class FaultyProxy:
     """A real loopback reverse proxy before the server, as nginx would be: it forwards
     (`mode = "forward"`), answers 502 to everything as when its MLflow is down (`"502"`), or
     forwards /health and lets every API call hang (`"hang"`); whatever the mode, it answers 503
-    to each call whose path holds `fails` (one endpoint failing while the others work)."""
+    to each call whose path holds `fails` (one endpoint failing while the others work), and
+    forwards the first call whose path holds `loses` but answers it 504, as a proxy whose
+    read timed out does while the server went on."""
 
     def __init__(self, upstream: str):
         import http.server
         import threading
 
-        self.mode, self.released, self.fails = "forward", threading.Event(), ""
+        self.mode, self.released, self.fails, self.loses = "forward", threading.Event(), "", ""
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -420,6 +422,10 @@ class FaultyProxy:
                         status, headers, data = r.status, r.headers, r.read()
                 except urllib.error.HTTPError as e:
                     status, headers, data = e.code, e.headers, e.read()
+                if proxy.loses and proxy.loses in self.path:
+                    proxy.loses = ""
+                    self.send_error(504, "Gateway Timeout")
+                    return
                 self.send_response(status)
                 for k, v in headers.items():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -657,6 +663,28 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
         assert len(admin.get_metric_history(r.info.run_id, "train/loss")) == 50
     said = outs[0][0].splitlines()
     assert len(said) == 1 and said[0].startswith("synced "), outs[0]
+
+
+@pytest.mark.parametrize("lost", ["runs/create", "model-versions/create"])
+def test_a_create_whose_answer_is_lost_lands_once(lost, team, admin, empty_db, tmp_path):
+    """The server makes the run (or the version) but its answer is lost (the proxy's 504):
+    MLflow retries the POST and the server makes a second one. Sync keeps one: one run per
+    source run, one version, champion."""
+    server, _ = team
+    name = f"lost-{os.urandom(3).hex()}"
+    w = tmp_path / "w"
+    fill_spool(w, empty_db, name, runs=2, model=name)
+    with faulty_proxy(server.uri) as proxy:
+        proxy.loses = lost
+        run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, proxy.uri, w))
+        assert not proxy.loses  # the fault happened
+    p = run([sys.executable, "-m", "stages.sync"], w, env=logged_in(server, server.uri, w))
+    assert "2 run(s) already there" in p.stdout, p.stdout
+    runs = server_runs(admin, name)
+    assert len(runs) == 2 and len({r.data.tags["reprotrain.source_run"] for r in runs}) == 2
+    assert all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
+    [version] = admin.search_model_versions(f"name = '{name}'")
+    assert admin.get_model_version_by_alias(name, "champion").version == version.version
 
 
 def damage_spool(db: Path, how: str) -> None:
