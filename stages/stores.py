@@ -70,6 +70,23 @@ def outage(e: BaseException) -> bool:
     return status is None or status >= 500
 
 
+def http_settings() -> str | None:
+    """What is wrong with the user's MLFLOW_HTTP_REQUEST_TIMEOUT or _MAX_RETRIES (None:
+    nothing): MLflow reads them at each call, and a bad one fails every call as if the server
+    had (a timeout of 0: "cannot be set to a value less than or equal to 0"; `abc`: a
+    traceback)."""
+    for name, least in (("MLFLOW_HTTP_REQUEST_TIMEOUT", 1), ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", 0)):
+        value = os.environ.get(name, "")
+        try:
+            if int(value) >= least:
+                continue
+        except ValueError:
+            pass
+        return (f"{name}={value!r} is not a whole number of at least {least}: set it so, or "
+                "unset it (this project's defaults: a 10 s timeout, 1 retry)")
+    return None
+
+
 def spool_synced(since: float) -> None:
     """Everything spooled before `since` is on the server: stages stop looking at the spool."""
     marker = spool_file().parent / "unsynced"

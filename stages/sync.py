@@ -483,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     if not target:
         raise UserError("MLFLOW_TRACKING_URI is not set: set it to the tracking server to sync "
                         "to, e.g. MLFLOW_TRACKING_URI=http://host:5000 make sync")
+    if problem := stores.http_settings():
+        raise UserError(f"{problem}; nothing was synced")
     source = args.source or stores.spool_uri()
     if not args.source and not stores.spool_file().exists():
         print(f"nothing to sync: no spool at {stores.spool_file().parent} (no run was logged "

@@ -687,6 +687,28 @@ def test_a_create_whose_answer_is_lost_lands_once(lost, team, admin, empty_db, t
     assert admin.get_model_version_by_alias(name, "champion").version == version.version
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_sync_with_a_bad_http_timeout_names_it_in_one_line(value, team, empty_db, tmp_path):
+    """The user's MLFLOW_HTTP_REQUEST_TIMEOUT, not the server: `abc` was a 30-line traceback,
+    0 "the MLflow server ... failed ... rerun make sync when it answers"."""
+    server, _ = team
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, f"timeout-{os.urandom(3).hex()}")
+    p = run([sys.executable, "-m", "stages.sync"], w, check=False,
+            env=logged_in(server, server.uri, w, MLFLOW_HTTP_REQUEST_TIMEOUT=value))
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: MLFLOW_HTTP_REQUEST_TIMEOUT={value!r} is not"), lines
+    [r] = mlflow_client(db).search_runs(["1"])
+    assert "reprotrain.synced" not in r.data.tags
+
+
+def mlflow_client(db: Path):
+    import mlflow
+
+    return mlflow.MlflowClient(f"sqlite:///{db}")
+
+
 def damage_spool(db: Path, how: str) -> None:
     import sqlite3
 
