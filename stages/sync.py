@@ -144,6 +144,25 @@ def damage(db: Path) -> str | None:
     return f"its table(s) {', '.join(missing)} are missing" if missing else None
 
 
+def _schema_head() -> str:
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    return _get_latest_schema_revision()
+
+
+def _other_schema(db: Path) -> str | None:
+    """The store's schema revision when it is not this MLflow's (None: it is). Read-only."""
+    import sqlite3
+
+    con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+    try:
+        found = con.execute("SELECT version_num FROM alembic_version").fetchone()
+    finally:
+        con.close()
+    found = found[0] if found else "none"
+    return None if found == _schema_head() else found
+
+
 def _check_source(source: str) -> None:
     """A damaged source ends the sync in one line. The spool is moved aside first (and kept):
     MLflow would otherwise make a fresh store in its place at the next stage, or fail in a
@@ -151,7 +170,15 @@ def _check_source(source: str) -> None:
     if not source.startswith("sqlite:///"):
         return
     db = Path(source.removeprefix("sqlite:///").split("?")[0])
-    if not db.is_file() or (problem := damage(db)) is None:
+    if not db.is_file():
+        return
+    if (problem := damage(db)) is None:
+        if other := _other_schema(db):
+            # Not damaged: MLflow refuses it, and sync said the server had failed.
+            raise UserError(f"{db} was written by another MLflow (its schema {other}, this one's "
+                            f"{_schema_head()}); nothing was synced, it is kept: sync it with "
+                            "the MLflow that wrote it (its requirements.lock), or, if older, "
+                            "upgrade a copy (`mlflow db upgrade sqlite:///COPY`) and sync that")
         return
     if db != stores.spool_file():
         raise UserError(f"FROM={stores.plain_uri(source)}: {db} is not a readable MLflow store "

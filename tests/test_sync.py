@@ -703,6 +703,29 @@ def test_sync_with_a_bad_http_timeout_names_it_in_one_line(value, team, empty_db
     assert "reprotrain.synced" not in r.data.tags
 
 
+@pytest.mark.parametrize("how", ["newer", "older"])
+def test_a_store_of_another_mlflow_is_named_not_the_server(how, team, empty_db, tmp_path):
+    """A spool (or FROM=) of another MLflow's schema: MLflow refuses it, and sync said "the
+    MLflow server ... failed ...: rerun make sync when it answers"."""
+    import sqlite3
+
+    server, _ = team
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, f"schema-{os.urandom(3).hex()}")
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("UPDATE alembic_version SET version_num = ?",
+                    ("ffffffffffff" if how == "newer" else "0a8213491aaa",))
+        con.commit()
+    kept = db.read_bytes()
+    for args in ([], ["--from", f"sqlite:///{db}"]):
+        p = run([sys.executable, "-m", "stages.sync", *args], w, check=False,
+                env=logged_in(server, server.uri, w))
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 1 and len(lines) == 1, p.stderr
+        assert f"{db} was written by another MLflow" in lines[0] and "MLflow server" not in lines[0]
+    assert db.read_bytes() == kept
+
+
 def mlflow_client(db: Path):
     import mlflow
 
