@@ -17,6 +17,7 @@ or one after a sync killed halfway, lands each thing once. MLflow has no such mo
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import sys
@@ -89,29 +90,44 @@ def _lock(source: str, wait_s: float | None) -> Iterator[None]:
         yield
         return
     db = Path(source.removeprefix("sqlite:///").split("?")[0])
-    try:
-        f = open(db.with_name(db.name + ".sync-lock"), "a+")
-    except OSError:  # a read-only store's folder: nothing of it is marked, a rerun skips all
-        yield
-        return
+    path = db.with_name(db.name + ".sync-lock")
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            # Never through a link: a link planted there would have its target truncated.
+            f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"{path} is a symbolic link, not the lock sync keeps there; "
+                                "remove it and rerun") from None
+            if path.exists():  # there, but not ours to lock: syncing without it could double
+                raise UserError(f"cannot open the sync lock {path} ({e.strerror}); make it "
+                                "writable or remove it, then rerun") from None
+            yield  # a read-only store's folder: nothing of it is marked, a rerun skips all
+            return
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = f.read().strip() or "?"
+            f.close()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Busy(f"another sync of {db.parent.name}/{db.name} is running (pid "
+                           f"{holder})") from None
+            if not said and wait_s is None:
+                print(f"another sync of {db.parent.name}/{db.name} is running (pid {holder}): "
+                      "waiting for it to finish", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.2)
+            continue
+        try:  # locked: still the file at `path`? (removed or replaced meanwhile: lock that one)
+            current = os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(f.fileno()).st_ino:
+            break
+        f.close()
     with f:
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        said = False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "?"
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise Busy(f"another sync of {db.parent.name}/{db.name} is running (pid "
-                               f"{holder})") from None
-                if not said and wait_s is None:
-                    print(f"another sync of {db.parent.name}/{db.name} is running (pid {holder}): "
-                          "waiting for it to finish", file=sys.stderr, flush=True)
-                    said = True
-                time.sleep(0.2)
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))

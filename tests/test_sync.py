@@ -665,6 +665,30 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
     assert len(said) == 1 and said[0].startswith("synced "), outs[0]
 
 
+def test_the_sync_lock_is_never_followed_through_a_link_nor_skipped(tmp_path):
+    """A link planted at the lock's name had its target truncated and overwritten, and a lock
+    that could not be opened was skipped, so two syncs could double again (second pass)."""
+    from stages import sync
+    from stages.cli import UserError
+
+    db, lock = tmp_path / "mlflow.db", tmp_path / "mlflow.db.sync-lock"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    lock.symlink_to(target)
+    with pytest.raises(UserError, match="is a symbolic link, not the lock"):
+        with sync._lock(f"sqlite:///{db}", wait_s=0):
+            pass
+    assert target.read_text() == "keep me\n"
+    lock.unlink()
+    lock.mkdir()  # there, and not a file sync can lock
+    with pytest.raises(UserError, match="cannot open the sync lock"):
+        with sync._lock(f"sqlite:///{db}", wait_s=0):
+            pass
+    lock.rmdir()
+    with sync._lock(f"sqlite:///{db}", wait_s=0):  # and the plain case still locks
+        assert lock.read_text() == str(os.getpid())
+
+
 @pytest.mark.parametrize("lost", ["runs/create", "model-versions/create"])
 def test_a_create_whose_answer_is_lost_lands_once(lost, team, admin, empty_db, tmp_path):
     """The server makes the run (or the version) but its answer is lost (the proxy's 504):
