@@ -123,47 +123,9 @@ def assert_history_once(client, run_id: str, w: Path) -> None:
 def killing_proxy(upstream: str, trigger: str) -> Iterator[tuple[str, list[int]]]:
     """A loopback HTTP proxy to `upstream` that SIGKILLs the pid put in the list it yields at
     the first request whose path holds `trigger`, which it never forwards."""
-    import http.server
-    import threading
-
-    victim: list[int] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def forward(self) -> None:
-            if trigger in self.path and victim:
-                os.kill(victim[0], signal.SIGKILL)
-                self.send_error(502)
-                return
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
-            req = urllib.request.Request(upstream + self.path, data=body, method=self.command,
-                                         headers={k: v for k, v in self.headers.items()
-                                                  if k.lower() not in ("host", "connection")})
-            try:
-                with urllib.request.urlopen(req, timeout=60) as r:
-                    status, headers, data = r.status, r.headers, r.read()
-            except urllib.error.HTTPError as e:
-                status, headers, data = e.code, e.headers, e.read()
-            self.send_response(status)
-            for k, v in headers.items():
-                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                    self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
-
-        def log_message(self, *args) -> None:
-            pass
-
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{proxy.server_address[1]}", victim
-    finally:
-        proxy.shutdown()
-        proxy.server_close()
+    with faulty_proxy(upstream) as proxy:
+        proxy.kills = trigger
+        yield proxy.uri, proxy.victim
 
 
 def wait_for_epoch(proc: subprocess.Popen, w: Path, epoch: int) -> None:
@@ -392,17 +354,24 @@ class FaultyProxy:
     forwards /health and lets every API call hang (`"hang"`); whatever the mode, it answers 503
     to each call whose path holds `fails` (one endpoint failing while the others work), and
     forwards the first call whose path holds `loses` but answers it 504, as a proxy whose
-    read timed out does while the server went on."""
+    read timed out does while the server went on; a call whose path holds `kills` SIGKILLs
+    the pid in `victim` (a client mid-request) and gets a 502."""
 
     def __init__(self, upstream: str):
         import http.server
         import threading
 
         self.mode, self.released, self.fails, self.loses = "forward", threading.Event(), "", ""
+        self.kills: str = ""
+        self.victim: list[int] = []
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def forward(self) -> None:
+                if proxy.kills and proxy.kills in self.path and proxy.victim:
+                    os.kill(proxy.victim[0], signal.SIGKILL)
+                    self.send_error(502)
+                    return
                 if proxy.fails and proxy.fails in self.path:
                     self.send_error(503, "Service Unavailable")
                     return
