@@ -95,3 +95,23 @@ def spool_synced(since: float) -> None:
             marker.unlink()
     except FileNotFoundError:
         pass
+
+
+def reason(e: Exception) -> str:
+    """An exception in one line: SQLAlchemy's carry the SQL, its parameters and a link."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not
+             line.startswith(("[SQL", "[parameters", "(Background", "(raised as a result"))]
+    return f"{type(e).__name__}: {' '.join(lines)[:300]}"
+
+
+def refusal(e: Exception) -> str | None:
+    """A server's refused login or permission in one line, with the fix; None for other errors."""
+    code, user = getattr(e, "error_code", None), os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if code == "UNAUTHENTICATED":
+        said = f"refused the login of {user!r}" if user else "needs a login"
+        return (f"the server {said}: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                "to your user on it")
+    if code == "PERMISSION_DENIED":
+        return (f"user {user!r} may not write here: ask the server's admin for EDIT on the "
+                "experiment and the registered model (README: A team's tracking server)")
+    return None

@@ -498,15 +498,13 @@ def _failure(e: Exception, source: str, target: str) -> str:
     import sqlalchemy.exc
     from mlflow.exceptions import MlflowException
 
-    from stages.tracking import reason, refusal
-
     if not isinstance(e, MlflowException | requests.RequestException | sqlalchemy.exc.SQLAlchemyError):
         raise e
     kept = "the source is kept" if source != stores.spool_uri() else f"the spool {stores.SPOOL}/ is kept"
-    said = stores.plain_uri(reason(e))
+    said = stores.plain_uri(stores.reason(e))
     if isinstance(e, sqlalchemy.exc.SQLAlchemyError):
         return f"reading {stores.plain_uri(source).split('?')[0]} failed ({said}); {kept}"
-    if refused := refusal(e):  # a login or a permission: says whose, and how to get it
+    if refused := stores.refusal(e):  # a login or a permission: says whose, and how to get it
         return f"{refused}; nothing more was synced, {kept}"
     if stores.outage(e):
         return (f"the MLflow server {stores.plain_uri(target)} failed ({said}); nothing is lost, "

@@ -38,7 +38,7 @@ from stages.cli import timed
 from stages.config import MlflowConfig, flatten, repo_root
 from stages.files import file_hash, write_json
 from stages.metrics import MLFLOW_NAMES
-from stages.stores import (
+from stages.stores import (  # reason, refusal: also read as tracking.reason/.refusal
     SERVER_MODEL,
     SERVER_RUN,
     SPOOL,
@@ -47,6 +47,8 @@ from stages.stores import (
     outage,
     plain_uri,
     reachable,
+    reason,
+    refusal,
     spool_file,
     spool_synced,
     spool_uri,
@@ -90,13 +92,6 @@ def metric_name(key: str) -> str:
     return re.sub(r"[^\w\-. :/]", "_", MLFLOW_NAMES.get(key, key), flags=re.ASCII)
 
 
-def reason(e: Exception) -> str:
-    """An exception in one line: SQLAlchemy's carry the SQL, its parameters and a link."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not
-             line.startswith(("[SQL", "[parameters", "(Background", "(raised as a result"))]
-    return f"{type(e).__name__}: {' '.join(lines)[:300]}"
-
-
 def tracking_uri(cfg: MlflowConfig) -> str:
     # timeout: how long sqlite waits on a lock held by another process (queued experiments,
     # parallel stages) before "database is locked"; its default is 5 s.
@@ -110,19 +105,6 @@ def tracking_uri(cfg: MlflowConfig) -> str:
         os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password))
         uri = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
     return uri
-
-
-def refusal(e: Exception) -> str | None:
-    """A server's refused login or permission in one line, with the fix; None for other errors."""
-    code, user = getattr(e, "error_code", None), os.environ.get("MLFLOW_TRACKING_USERNAME")
-    if code == "UNAUTHENTICATED":
-        said = f"refused the login of {user!r}" if user else "needs a login"
-        return (f"the server {said}: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
-                "to your user on it")
-    if code == "PERMISSION_DENIED":
-        return (f"user {user!r} may not write here: ask the server's admin for EDIT on the "
-                "experiment and the registered model (README: A team's tracking server)")
-    return None
 
 
 @contextmanager
