@@ -26,8 +26,10 @@ def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_
 
     db = tmp_path / "mlflow.db"
     shutil.copy(mlflow_uri.removeprefix("sqlite:///"), db)
-    exp_id = mlflow.MlflowClient(f"sqlite:///{db}").create_experiment(
-        load_params().mlflow.experiment, artifact_location=(tmp_path / "art").as_uri())
+    client, name = mlflow.MlflowClient(f"sqlite:///{db}"), load_params().mlflow.experiment
+    exp = client.get_experiment_by_name(name)  # the shared store may hold it already
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        name, artifact_location=(tmp_path / "art").as_uri())
     port = free_port()
     planted = Path(tempfile.gettempdir()) / f"reprotrain-ui-{port}.log"
     victim = tmp_path / "victim.txt"
