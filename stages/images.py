@@ -132,8 +132,8 @@ def open_image(source: str | Path | bytes) -> Image.Image:
     IMAGE_FORMATS are tried. Raises DataError with a fixed message: Pillow's own name temporary
     files, command lines and object addresses, which a served reply must not echo."""
     try:
-        img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source,
-                         formats=DECODERS)
+        readable = io.BytesIO(source) if isinstance(source, bytes) else source
+        img = Image.open(readable, formats=DECODERS)
     except Image.DecompressionBombError:
         raise DataError("a decompression bomb: its header declares more pixels than Pillow "
                         f"decodes ({2 * Image.MAX_IMAGE_PIXELS:,})") from None
