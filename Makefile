@@ -31,9 +31,9 @@ $(STAMP): requirements.lock
 	@echo "installing requirements.lock into $(VENV): 6.5 GB, 6 to 10 minutes the first time, more" \
 		"on a busy machine (torch's CUDA libraries; README: The two commands)"
 	@# A numbered line per package as pip takes it, a line for each 30 s pip stays silent, a
-	@# count at the end (stages/pip_progress.py: standard library, runs before anything is installed).
+	@# count at the end (stages/lib/pip_progress.py: standard library, runs before anything is installed).
 	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
-		| $(PY) -m stages.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
+		| $(PY) -m stages.lib.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
@@ -57,10 +57,10 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 	@$(PY) -m stages.params
 	@mkdir -p .dvc/tmp && cp dvc.lock .dvc/tmp/dvc.lock.before-verify
 	dvc repro -f
-	@$(PY) -m stages.verify .dvc/tmp/dvc.lock.before-verify
+	@$(PY) -m stages.team.verify .dvc/tmp/dvc.lock.before-verify
 
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
-	$(PY) -m stages.share
+	$(PY) -m stages.team.share
 
 # An Optuna study of DVC experiments (README: Sweeps). STORAGE is the study's database: through
 # the environment, so make never echoes a password; its default is $REPROTRAIN_SWEEP_STORAGE.
@@ -76,7 +76,7 @@ sweep: setup ## an Optuna study of DVC experiments: SWEEP=sweeps/lr.yaml TRIALS=
 # FROM=sqlite:///path/mlflow.db a machine's own runs, onto MLFLOW_TRACKING_URI; exactly once.
 FROM ?=
 sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
-	$(PY) -m stages.sync $(if $(FROM),--from '$(FROM)')
+	$(PY) -m stages.tracking.sync $(if $(FROM),--from '$(FROM)')
 
 # Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;
@@ -88,12 +88,12 @@ test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
-	@$(PY) -m stages.ui --port $(UI_PORT)
+	@$(PY) -m stages.team.ui --port $(UI_PORT)
 
 # Target-specific: `make server` has a PORT of its own.
 serve: PORT ?= 5001
 serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT=... to change): /ping, /invocations
-	@$(PY) -m stages.serve --port $(PORT)
+	@$(PY) -m stages.serving.app --port $(PORT)
 # The team's server (README: A team's tracking server). The admin's login and the Flask secret
 # key come from the environment (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_FLASK_SERVER_SECRET_KEY),
 # never from the command line, where `ps` would show them.
@@ -104,7 +104,7 @@ ALLOWED_HOSTS ?=
 server: export REPROTRAIN_SERVER_ARGS_DB := $(DB)
 server: export REPROTRAIN_SERVER_ARGS_ARTIFACTS := $(ARTIFACTS)
 server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIFACTS=dir|s3://... PORT=5000
-	@$(PY) -m stages.server --db "$$REPROTRAIN_SERVER_ARGS_DB" \
+	@$(PY) -m stages.team.server --db "$$REPROTRAIN_SERVER_ARGS_DB" \
 		--artifacts "$$REPROTRAIN_SERVER_ARGS_ARTIFACTS" --port '$(PORT)' --host '$(HOST)' \
 		--allowed-hosts '$(ALLOWED_HOSTS)'
 
@@ -132,14 +132,14 @@ lint: setup ## ruff
 	ruff check stages tests
 
 bench: setup ## the loop ablation benchmark, side by side
-	$(PY) -m stages.bench
+	$(PY) -m stages.bench.training
 
 BENCH_REVS ?= HEAD
 bench-pipeline: setup ## the four stages timed part by part (start-up, tracking, loop); BENCH_REVS=a,b side by side
-	$(PY) -m stages.bench --pipeline --revs $(BENCH_REVS)
+	$(PY) -m stages.bench.training --pipeline --revs $(BENCH_REVS)
 
 bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
-	$(PY) -m stages.bench_serve
+	$(PY) -m stages.bench.serving
 
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
 # in one run for a lent GPU machine. Its python may come with the requirements already:
@@ -151,7 +151,7 @@ gpu-check: $(if $(filter command line,$(origin PY)),,setup) ## on a GPU machine:
 	@# A failing test must not cost the bench its turn on a scarce GPU: the status comes last.
 	$(PY) -m pytest -p no:cacheprovider -v -rs tests/test_gpu.py 2>&1 | tee $(GPU_CHECK_OUT)/tests.txt \
 		&& echo passed > $(GPU_CHECK_OUT)/status || echo failed > $(GPU_CHECK_OUT)/status
-	$(PY) -m stages.bench --datasets cifar,digits --rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
+	$(PY) -m stages.bench.training --datasets cifar,digits --rounds 3 --out $(GPU_CHECK_OUT)/bench 2>&1 | tee $(GPU_CHECK_OUT)/bench.txt
 	@grep -qx passed $(GPU_CHECK_OUT)/status || { echo "gpu-check: tests failed, see $(GPU_CHECK_OUT)/tests.txt"; exit 1; }
 
 # Its tool gets a venv of its own: installed into .venv, it would break the lock's promise.

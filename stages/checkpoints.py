@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from stages.cli import UserError
 from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, ParamsError
-from stages.files import digest_path, save_torch_verified, verify_digest, write_json
+from stages.lib.cli import UserError
+from stages.lib.files import digest_path, save_torch_verified, verify_digest, write_json
 
 # Everything a run folder ever holds: checkpoints, their checksums, the ownership record, and
 # atomic_write's temp files of each. Removal deletes these and nothing else.

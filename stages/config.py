@@ -24,7 +24,7 @@ from typing import Any, Union
 
 from omegaconf import OmegaConf
 
-from stages.cli import UserError
+from stages.lib.cli import UserError
 
 # The choices of data.source, model.arch and train.schedule: the registries sources.SOURCES,
 # models.ARCHS and optim.SCHEDULES hold the code for each name (a test keeps them equal). Only
@@ -305,7 +305,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         return check_params(raw, path)
     except ParamsError as e:
         # A workspace `dvc exp run -S` leaves its value in params.yaml even when it fails, and
-        # every later `dvc repro` would fail on it too. (Git sees the change: stages.cli
+        # every later `dvc repro` would fail on it too. (Git sees the change: stages.lib.cli
         # re-stats what DVC's stash left with stale times in git's index.)
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
             # "did you mean 'lr'?" already ends a sentence.

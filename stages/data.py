@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stages.cli import UserError
 from stages.config import repo_root
-from stages.files import atomic_write_all, json_text, text_writer, torch_writer
+from stages.lib.cli import UserError
+from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
 
 SPLITS = ("train", "val", "test")
 

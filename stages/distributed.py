@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from stages.cli import UserError
 from stages.config import ParamsError, TrainConfig
+from stages.lib.cli import UserError
 
 
 def requested_processes(cfg: TrainConfig, batch_size: int) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from stages import model_file, tracking
-from stages.cli import run_stage
+from stages import tracking, weights
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
 from stages.data import load_meta, load_split
-from stages.files import atomic_write_all, json_text, text_writer
+from stages.lib.cli import run_stage
+from stages.lib.files import atomic_write_all, json_text, text_writer
 from stages.report import (
     classification_metrics,
     confusion_csv,
@@ -22,7 +22,7 @@ from stages.runtime import predict, resolve_device
 
 def main() -> None:
     params = load_params()
-    model, trained = model_file.load(TRAIN_DIR / "model.pt")
+    model, trained = weights.load(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
     classes = trained.classes
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import model_file, tracking
-from stages.cli import UserError, run_stage
+from stages import tracking, weights
 from stages.config import (
     EVAL_DIR,
     EXPORT_DIR,
@@ -26,8 +25,9 @@ from stages.config import (
     load_params,
 )
 from stages.data import load_meta, load_split, normalize
-from stages.files import atomic_write, atomic_write_all, text_writer
-from stages.serving import model_kwargs, png_base64, quiet_type_hints
+from stages.lib.cli import UserError, run_stage
+from stages.lib.files import atomic_write, atomic_write_all, text_writer
+from stages.serving.registry import model_kwargs, png_base64, quiet_type_hints
 
 
 def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
@@ -97,7 +97,7 @@ def check_close(name: str, run, model: torch.nn.Module, images: torch.Tensor,
 def main() -> None:
     params = load_params()
     cfg = params.export
-    model, trained = model_file.load(TRAIN_DIR / "model.pt")
+    model, trained = weights.load(TRAIN_DIR / "model.pt")
     test = load_split(PREPARED, "test")
     if max(cfg.check_batch_sizes) > len(test.x):
         raise ParamsError(f"params.yaml: export.check_batch_sizes={cfg.check_batch_sizes} is "
@@ -114,7 +114,7 @@ def main() -> None:
     # check or write leaves the previous export whole.
     exported = export_program(model, example)
     onnx_model, pt2 = onnx_bytes(exported, cfg.opset), pt2_bytes(exported)
-    weights = save({k: v.contiguous() for k, v in model.state_dict().items()})
+    safetensors = save({k: v.contiguous() for k, v in model.state_dict().items()})
     session = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"])
     program = torch.export.load(io.BytesIO(pt2)).module()
     checks = check_close("onnx", lambda x: session.run(None, {"image": x.numpy()})[0], model,
@@ -129,7 +129,7 @@ def main() -> None:
     }, indent=2) + "\n"
     atomic_write_all({EXPORT_DIR / name: text_writer(data) for name, data in
                       [("model.onnx", onnx_model), ("model.pt2", pt2),
-                       ("model.safetensors", weights), ("model.json", description.encode())]})
+                       ("model.safetensors", safetensors), ("model.json", description.encode())]})
 
     evaluation = json.loads((EVAL_DIR / "metrics.json").read_text())
     with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN_DIR) as run:

@@ -5,8 +5,8 @@ stage reads (`dvc exp run -S +lrr=0.05`, DVC's own hint for a typo'd `-S lrr=...
 every stage and succeed, and stay in params.yaml.
 """
 
-from stages.cli import run_stage
 from stages.config import load_params
+from stages.lib.cli import run_stage
 
 if __name__ == "__main__":
     run_stage(load_params)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import DataConfig, ParamsError
-from stages.images import DataError, decode_image, image_files
+from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.images import DataError, decode_image, image_files
 
 MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")
 
@@ -176,11 +176,11 @@ def eager_runner(model: Path, spec: dict):
 
 
 def trained_runner(model: Path):
-    """The trained model.pt, before export: the description stored with it (stages/model_file.py)
+    """The trained model.pt, before export: the description stored with it (stages/weights.py)
     stands in for model.json. It is verified and read as data, like the exported files."""
-    from stages import model_file
+    from stages import weights
 
-    net, trained = model_file.load(model)
+    net, trained = weights.load(model)
     return trained.spec(), torch_runner(net)
 
 
@@ -305,7 +305,7 @@ def unlike_training(offset: float, spec: dict) -> str | None:
 def model_input(images: list[np.ndarray], spec: dict) -> np.ndarray:
     """The float32 NCHW batch the model takes, from decode_image's uint8 images: pixels scaled
     to [0, 1], then (x - mean) / std per channel, as training normalized them. The served model
-    (stages/served_model.py) calls this too: one path from image to input."""
+    (stages/serving/served_model.py) calls this too: one path from image to input."""
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
     return (np.stack(images).astype(np.float32) / 255 - mean) / std

@@ -9,10 +9,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stages.cli import ArgumentParser, run_stage
 from stages.config import PREPARED, load_params
 from stages.data import save_prepared
-from stages.files import csv_text
+from stages.lib.cli import ArgumentParser, run_stage
+from stages.lib.files import csv_text
 from stages.sources import SOURCES, build_meta, list_folder
 
 

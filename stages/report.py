@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stages.files import csv_text
+from stages.lib.files import csv_text
 
 
 def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tuple[dict, dict]:

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from stages.config import DataConfig
 from stages.data import SPLITS, Split, digits_file
-from stages.files import write_error
-from stages.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
+from stages.lib.files import write_error
+from stages.lib.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages import distributed, model_file, tracking, trial
+from stages import distributed, tracking, weights
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,
@@ -23,7 +23,6 @@ from stages.checkpoints import (
     remove_run,
     tidy_other_runs,
 )
-from stages.cli import STAGE_TIMES, UserError, run_stage
 from stages.config import (
     PREPARED,
     TRAIN_DIR,
@@ -35,11 +34,13 @@ from stages.config import (
     repo_root,
 )
 from stages.data import load_meta, load_split
-from stages.files import atomic_write_all, csv_text, json_text, text_writer
+from stages.lib.cli import STAGE_TIMES, UserError, run_stage
+from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
 from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params
 from stages.runtime import resolve_device
+from stages.sweep import trial
 
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
@@ -142,7 +143,7 @@ def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking
     history = csv_text(HISTORY, ([round(r[k], 6) if isinstance(r[k], float) else r[k]
                                   for k in HISTORY] for r in result.history))
     # All or none: a failed write must not leave a new model beside the previous metrics.
-    atomic_write_all(model_file.writes(TRAIN_DIR / "model.pt", result.model, params.model, meta,
+    atomic_write_all(weights.writes(TRAIN_DIR / "model.pt", result.model, params.model, meta,
                                        result.best_epoch)
                      | {TRAIN_DIR / "metrics.json": text_writer(json_text(metrics)),
                         TRAIN_DIR / "history.csv": text_writer(history)})

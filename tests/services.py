@@ -99,7 +99,7 @@ class MlflowServer:
     uri: str
     user: str
     password: str
-    log: Path  # what `python -m stages.server` printed; the server's own log is in its tempdir
+    log: Path  # what `python -m stages.team.server` printed; the server's own log is in its tempdir
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """A client's environment (tests.conftest.env_with) pointed at this server, logged in."""
@@ -119,14 +119,14 @@ def server_env(user: str, password: str) -> dict[str, str]:
 
 @contextmanager
 def mlflow_server(db: str, folder: Path, timeout: float = 240) -> Iterator[MlflowServer]:
-    """The team server, started as a user does (`python -m stages.server`, logins on) on a free
+    """The team server, started as a user does (`python -m stages.team.server`, logins on) on a free
     loopback port against `db`, artifacts in `folder`; stopped with SIGTERM, as systemd does."""
     folder.mkdir(parents=True, exist_ok=True)
     user, password, port = "admin", f"pw-{secrets.token_hex(12)}", free_port()
     log = folder / "server.out"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.server", "--db", db, "--artifacts", folder / "artifacts",
+            [sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts", folder / "artifacts",
              "--port", str(port), "--workers", "1"], cwd=Path(__file__).resolve().parents[1],
             env=server_env(user, password), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)

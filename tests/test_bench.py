@@ -1,4 +1,4 @@
-"""`python -m stages.bench --quick` runs every row and writes the report. Timings are not
+"""`python -m stages.bench.training --quick` runs every row and writes the report. Timings are not
 asserted: on shared machines they are noise; the ratios are for the report."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from stages.bench import NOISY_SPREAD, QUICK_SKIPS, ROWS, markdown
+from stages.bench.training import NOISY_SPREAD, QUICK_SKIPS, ROWS, markdown
 from tests.conftest import ROOT, env_with, run
 
 
 def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
     out = tmp_path / "bench"
-    run([sys.executable, "-m", "stages.bench", "--quick", "--steps", "2", "--synthetic-size", "16",
+    run([sys.executable, "-m", "stages.bench.training", "--quick", "--steps", "2", "--synthetic-size", "16",
          "--cifar-width", "8", "--out", str(out), "--json", str(tmp_path / "r.json")],
         ROOT, env=env_with(PYTHONPATH=str(ROOT)))
     report = json.loads((tmp_path / "r.json").read_text())
@@ -34,7 +34,7 @@ def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
 
 
 def test_unknown_row_is_refused():
-    p = run([sys.executable, "-m", "stages.bench", "--rows", "standard,turbo"], ROOT,
+    p = run([sys.executable, "-m", "stages.bench.training", "--rows", "standard,turbo"], ROOT,
             env=env_with(PYTHONPATH=str(ROOT)), check=False)
     assert p.returncode == 2 and "unknown rows ['turbo']" in p.stderr
 
@@ -55,7 +55,7 @@ def test_report_warns_about_rows_whose_rounds_disagree():
 
 
 def test_pipeline_bench_splits_a_real_stage_run_into_its_parts(tmp_path):
-    from stages import bench_pipeline
+    from stages.bench import pipeline as bench_pipeline
     from tests.conftest import copy_repo
 
     repo = copy_repo(tmp_path)

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from stages.data import load_split
-from stages.images import decode_image
+from stages.lib.images import decode_image
 from tests.conftest import ROOT, copy_params, run, set_params
 from tests.images import CLASSES, EPS, FORMATS, draw, fake_ghostscript, make_folder, save
 
@@ -101,7 +101,7 @@ def test_an_image_with_a_side_too_long_is_listed_not_a_memory_error(tmp_path):
     (row,) = csv.DictReader(open(tmp_path / "data/prepared/rejected.csv"))
     assert row["path"].endswith("tall.png")
     assert row["reason"] == ("1x100000000 pixels: a side over 65,535 (MAX_SIDE in "
-                             "stages/images.py); crop or resize it first")
+                             "stages/lib/images.py); crop or resize it first")
 
 
 def test_given_splits_are_used_and_leakage_is_reported(tmp_path):

@@ -180,7 +180,7 @@ def test_a_finished_stage_exits_without_losing_anything(tmp_path):
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from stages.cli import run_stage
+from stages.lib.cli import run_stage
 out = Path({str(tmp_path)!r})
 pool = ThreadPoolExecutor(1)
 

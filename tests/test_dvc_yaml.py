@@ -10,32 +10,32 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from stages import config
+from stages.bench.imports import closure, cycles, graph, module_file, sources
 from tests.conftest import ROOT, copy_repo, env_with, run
 
-# Modules that never write or change an output (stages/cli.py: exit codes, one-line errors,
-# argparse helpers): no stage reruns when they change.
-NO_OUTPUT_EFFECT = {"cli"}
+# The team's packages never decide an output: tracking logs to MLflow and writes only side files
+# that no stage reads back as an input, the sweep's trial hook only stops a pruned trial, serving
+# logs the served model to MLflow. Editing them reruns no stage (dvc.yaml says why, and
+# tests/test_pipeline.py proves the outputs the same to the byte with every kind of store).
+TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
+# Modules that change no output either: stages/__init__.py (the finder that names a moved
+# module's new place) and stages/lib/cli.py (exit codes, one-line errors, argparse helpers).
+NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli"}
+
+
+def team(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TEAM)
+
+
+def outside(module: str) -> bool:
+    return module in NO_OUTPUT_EFFECT or team(module)
 
 
 def stage_imports(module: str) -> set[str]:
-    """stages/*.py files imported by `module`, transitively, less NO_OUTPUT_EFFECT."""
-    seen: set[str] = set()
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        tree = ast.parse((ROOT / "stages" / f"{name}.py").read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module == "stages":
-                    todo += [a.name for a in node.names]
-                elif node.module.startswith("stages."):
-                    todo.append(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                todo += [a.name.split(".")[1] for a in node.names if a.name.startswith("stages.")]
-    return {f"stages/{n}.py" for n in seen - NO_OUTPUT_EFFECT}
+    """The files of stages/ that `stages.<module>` imports, transitively, less the team's
+    packages and NO_OUTPUT_EFFECT."""
+    edges = graph(sources())
+    return {module_file(m) for m in closure(edges, f"stages.{module}", outside) if not outside(m)}
 
 
 def dvc_stages() -> dict:
@@ -57,16 +57,16 @@ def test_every_stage_depends_on_exactly_the_code_it_runs():
 
 
 def test_the_cli_module_changes_no_output():
-    """What lets dvc.yaml leave stages/cli.py out: it writes no file and imports no module that
-    could (only the standard library, and stages.files for its error numbers). It runs git only
+    """What lets dvc.yaml leave stages/lib/cli.py out: it writes no file and imports no module that
+    could (only the standard library, and stages.lib.files for its error numbers). It runs git only
     to read the index (`restat_stale_git_entries`), and touches mtimes, never contents."""
-    tree = ast.parse((ROOT / "stages/cli.py").read_text())
+    tree = ast.parse((ROOT / "stages/lib/cli.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names} | {n.module for n in ast.walk(tree)
                                      if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "argparse", "atexit", "json", "os", "select", "signal",
                         "subprocess", "sys", "threading", "time", "typing", "collections.abc",
-                        "contextlib", "pathlib", "stages.files"}, imported
+                        "contextlib", "pathlib", "stages.lib.files"}, imported
 
 
 def test_a_training_only_change_never_reruns_prepare():
@@ -119,11 +119,17 @@ def test_every_params_key_is_declared_by_the_stages_it_decides():
 def test_the_stages_import_each_other_without_a_cycle():
     """Imports inside functions included: a cycle means the modules cannot be read, tested or
     changed one at a time (tracking and sync once imported each other)."""
-    modules = sorted(p.stem for p in (ROOT / "stages").glob("*.py") if p.stem != "__init__")
-    imports = {m: stage_imports(m) - {f"stages/{m}.py"} for m in modules}
-    cycles = [m for m in modules if f"stages/{m}.py" in set().union(
-        *(stage_imports(Path(d).stem) for d in imports[m]))]
-    assert not cycles, f"these modules import themselves through others: {cycles}"
+    assert not cycles(graph(sources()))
+
+
+def test_the_experiment_never_imports_the_teams_tools():
+    """Only the stages reach into the team's packages (to log, and the sweep's hook): the
+    experiment's own modules, which a fork edits, stay free of them."""
+    edges = graph(sources())
+    stages = {f"stages.{s}" for s in dvc_stages()} | {"stages.predict"}
+    for module, imported in edges.items():
+        if module.count(".") == 1 and module not in stages and not team(module):
+            assert not {m for m in imported if team(m)}, f"{module} imports the team's tools"
 
 
 def test_line_charts_legends_tell_the_dashed_field_from_the_solid(tmp_path):

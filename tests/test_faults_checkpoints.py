@@ -8,8 +8,8 @@ import errno
 import pytest
 import torch
 
-from stages import files
 from stages.checkpoints import CheckpointError, latest_checkpoint, save_checkpoint
+from stages.lib import files
 from stages.loop import OutOfMemory
 from tests.training import cnn, fit, fit_ckpt, linear_model, same_weights
 

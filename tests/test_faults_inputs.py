@@ -83,7 +83,7 @@ def test_values_that_would_fail_later_are_refused_before_the_data_loads(tmp_path
 
 
 def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):
-    from stages.images import MAX_IMAGE_BYTES
+    from stages.lib.images import MAX_IMAGE_BYTES
     from tests.images import make_folder
 
     w = folder_workspace(tmp_path / "w")

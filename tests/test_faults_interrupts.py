@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from stages import files
 from stages.checkpoints import latest_checkpoint
+from stages.lib import files
 from tests.conftest import ROOT, copy_params, env_with, set_params
 from tests.workspaces import (
     folder_workspace,
@@ -49,8 +49,8 @@ def test_a_params_file_caught_mid_write_is_not_taken_for_a_change(tmp_path):
     the empty file loaded as the defaults, and a run was failed for changes nobody made."""
     import threading
 
-    from stages.cli import UserError
     from stages.config import load_params
+    from stages.lib.cli import UserError
     from stages.train import ParamsWatch, training_params
 
     path = copy_params(tmp_path)

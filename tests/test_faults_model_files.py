@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from stages import files
 from stages.checkpoints import latest_checkpoint
 from stages.data import save_prepared
+from stages.lib import files
 from tests.conftest import ROOT, copy_params, env_with, run
 from tests.training import fit_ckpt, linear_model
 from tests.workspaces import (
@@ -145,16 +145,16 @@ def test_predict_validates_its_arguments_in_one_line(tmp_path, exported):
 
 
 def test_predict_runs_the_trained_model_pt_as_its_export_would(trained, tmp_path):
-    """Before export: model.pt describes itself (stages/model_file.py), so predict needs no
+    """Before export: model.pt describes itself (stages/weights.py), so predict needs no
     model.json; the labels are the model's own, evaluated in fp32 as evaluate does."""
-    from stages import model_file
+    from stages import weights
 
     samples = sorted((ROOT / "data/samples").glob("*.png"))
     p = predict(tmp_path, *map(str, samples), "--json", "--model",
                 str(trained / "models/train/model.pt"))
     assert p.returncode == 0, p.stderr
     got = [json.loads(line) for line in p.stdout.splitlines()]
-    net, stored = model_file.load(trained / "models/train/model.pt")
+    net, stored = weights.load(trained / "models/train/model.pt")
     from stages.predict import decode_image, model_input
 
     x = model_input([decode_image(f, 1, stored.image_size, stored.resize) for f in samples],

@@ -281,7 +281,7 @@ def test_a_torch_save_that_fails_is_one_oserror_and_keeps_the_file(tmp_path, fau
     prepared splits are written with it."""
     import torch
 
-    from stages import files
+    from stages.lib import files
 
     with small_disk(tmp_path / "disk", 256) as disk:
         (disk / "model.pt").write_bytes(b"previous")
@@ -302,7 +302,7 @@ def test_a_model_and_its_checksum_are_replaced_together_or_not_at_all(tmp_path):
     rename fails) must not leave the new model beside the previous checksum."""
     import torch
 
-    from stages import files
+    from stages.lib import files
 
     model = files.save_torch_verified(tmp_path / "model.pt", {"x": torch.zeros(10)})
     before = snapshot(tmp_path)

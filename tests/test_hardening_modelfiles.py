@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from stages.config import ARCHS, ModelConfig, ParamsError
-from stages.files import save_torch_verified
-from stages.model_file import CheckpointRefused, load
+from stages.lib.files import save_torch_verified
 from stages.models import output_key, skeleton
+from stages.weights import CheckpointRefused, load
 from tests.conftest import ROOT, env_with, run
 from tests.training import cnn
 from tests.workspaces import one_error_line, predict, rewrite_zip
@@ -67,7 +67,7 @@ def edit_json(path, **changes):
 def refused(*argv) -> str:
     """predict run in this process (an interpreter start per case would cost seconds): the user
     error it ends with, which run_stage prints as its one `error:` line."""
-    from stages.cli import UserError
+    from stages.lib.cli import UserError
     from stages.predict import main
 
     with pytest.raises(UserError) as e:

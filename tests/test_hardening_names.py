@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from stages.images import DataError
+from stages.lib.images import DataError
 from stages.report import confusion_csv, confusion_png, misclassified_png, per_class_csv
 from stages.sources import list_folder
 from tests.conftest import ROOT, copy_params, copy_repo, env_with, rendered_dom, run, set_params

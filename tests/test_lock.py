@@ -13,7 +13,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from stages.pip_progress import narrate
+from stages.lib.pip_progress import narrate
 from tests.conftest import ROOT
 
 FIX = "run `make lock` and commit requirements.lock"
@@ -93,7 +93,7 @@ def test_make_clean_removes_scratch_and_keeps_runs_data_and_models(tmp_path):
 
 
 def test_setup_says_what_pip_does_through_its_silences(tmp_path):
-    """`make setup`'s pip output, read by stages.pip_progress: a numbered line per package, a
+    """`make setup`'s pip output, read by stages.lib.pip_progress: a numbered line per package, a
     line while pip is silent (minutes, unpacking torch), a count instead of pip's list. Real
     pip installs a wheel built here into a new venv; then pip's silence, made by waiting."""
     project = tmp_path / "tiny"
@@ -107,7 +107,7 @@ def test_setup_says_what_pip_does_through_its_silences(tmp_path):
     pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
                             "--progress-bar", "off", "--find-links", wheels, "tiny"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    said = subprocess.run([sys.executable, "-m", "stages.pip_progress", "--total", "1"],
+    said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
                           stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True, check=True)
     assert pip.wait() == 0
     lines = said.stdout.splitlines()

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from stages.cli import HEAVY_IMPORTS
+from stages.lib.cli import HEAVY_IMPORTS
 from tests.conftest import (
     VENV_BIN,
     committed,

@@ -1,11 +1,11 @@
-"""Every form a password takes in a URI or a connection string is masked (stages/redact.py), and
+"""Every form a password takes in a URI or a connection string is masked (stages/lib/redact.py), and
 what is not a password stays, so that a message still names its database."""
 
 from __future__ import annotations
 
 import pytest
 
-from stages.redact import holds_password, masked
+from stages.lib.redact import holds_password, masked
 from tests.conftest import env_with
 from tests.services import create_database, postgres  # noqa: F401 - the fixture
 
@@ -72,7 +72,7 @@ RAW = {f"postgresql://u:{SECRET} with blanks@h:5432/db": "postgresql://u:***@h:5
 
 @pytest.mark.parametrize("uri", list(RAW))
 def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
-    from stages.redact import masked_uri
+    from stages.lib.redact import masked_uri
 
     assert masked_uri(uri) == RAW[uri] and SECRET not in masked_uri(uri)
     for text, want in FORMS.items():  # what masked() already masks stays as it is
@@ -82,7 +82,8 @@ def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
 
 
 def test_the_server_and_the_sweep_mask_with_the_one_owner():
-    from stages import server, sweep
+    from stages import sweep
+    from stages.team import server
 
     for text, want in FORMS.items():
         assert server.masked(text) == want and sweep.shown(text) == want

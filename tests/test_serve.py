@@ -191,7 +191,7 @@ def test_export_logs_the_served_model_as_code_with_an_example(logged_in, tmp_pat
     mlmodel = mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion/MLmodel",
                                                   dst_path=str(tmp_path))
     pyfunc = OmegaConf.load(mlmodel).flavors.python_function
-    assert pyfunc.model_code_path.endswith("stages/served_model.py")
+    assert pyfunc.model_code_path.endswith("stages/serving/served_model.py")
     assert "python_model" not in pyfunc  # no cloudpickle of the model object
     assert set(pyfunc.artifacts) == {"model.onnx", "model.json"}
     example = json.loads(Path(mlflow.artifacts.download_artifacts(
@@ -416,7 +416,7 @@ def test_a_jpeg_of_many_scans_is_refused_before_it_is_decoded(server, champion, 
     status, answer = post(server["base"], {"inputs": [b64(bomb)]})
     assert status == 400 and answer["message"] == (
         "image 0: not a readable image (a JPEG of 10,001 scans, over the 100 read here "
-        "(MAX_JPEG_SCANS in stages/images.py); save it again, e.g. as PNG)"), answer
+        "(MAX_JPEG_SCANS in stages/lib/images.py); save it again, e.g. as PNG)"), answer
     assert time.monotonic() - t0 < 3
     status, answer = post(server["base"], {"inputs": [b64(many_scan_jpeg(8, size=64))]})
     assert status == 200, answer  # a usual progressive JPEG has about 10
@@ -426,7 +426,7 @@ def test_a_jpeg_of_many_scans_is_refused_before_it_is_decoded(server, champion, 
             check=False, timeout=60)
     assert p.returncode == 1 and p.stderr.endswith(
         "error: a JPEG of 10,001 scans, over the 100 read here (MAX_JPEG_SCANS in "
-        "stages/images.py); save it again, e.g. as PNG\n"), p.stderr
+        "stages/lib/images.py); save it again, e.g. as PNG\n"), p.stderr
 
 
 def answer_of(s: socket.socket) -> bytes:
@@ -438,7 +438,7 @@ def answer_of(s: socket.socket) -> bytes:
 
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_all_read(server):
-    from stages.serve import MAX_BODY_BYTES
+    from stages.serving.app import MAX_BODY_BYTES
 
     host, port = "127.0.0.1", server["port"]
     head = f"POST /invocations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -560,13 +560,13 @@ class Exploit:
 
 def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
     """Anyone who can register a version on the team's server can put code in it: in its
-    models-from-code file, or as a pickle. Serving and loading through stages.serve takes only
+    models-from-code file, or as a pickle. Serving and loading through stages.serving.app takes only
     its model.onnx and model.json; loading the registered model with MLflow alone runs the
     code."""
     import mlflow
     from omegaconf import OmegaConf
 
-    from stages.serving import load_champion
+    from stages.serving.registry import load_champion
 
     marker = tmp_path / "pwned"
     genuine = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1",
@@ -595,7 +595,7 @@ def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
         client.set_registered_model_alias(NAME, "champion", version)
         try:
             assert load_champion().predict(images) == good
-            assert not marker.exists(), f"{hostile.name}: stages.serve ran the model's code"
+            assert not marker.exists(), f"{hostile.name}: stages.serving.app ran the model's code"
             # The fault is real: MLflow's own loader runs it.
             try:
                 mlflow.pyfunc.load_model(f"models:/{NAME}/{version}")
@@ -609,8 +609,8 @@ def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
 
 @pytest.fixture
 def in_workspace(logged_in):
-    """`python -m stages.serve`'s main in this process, as if run in the workspace."""
-    from stages.serve import main
+    """`python -m stages.serving.app`'s main in this process, as if run in the workspace."""
+    from stages.serving.app import main
 
     return main
 
@@ -674,7 +674,7 @@ def command_lines() -> dict[int, bytes]:
 
 
 def test_no_champion_is_one_line_naming_the_fix(in_workspace):
-    from stages.cli import UserError
+    from stages.lib.cli import UserError
 
     with pytest.raises(UserError, match="no champion of registered model 'nope' in .*make repro"):
         in_workspace(["--name", "nope"])

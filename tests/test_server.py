@@ -35,7 +35,7 @@ def server(postgres, tmp_path_factory):  # noqa: F811 - the fixture imported abo
 
 
 def start_server(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.server", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "stages.team.server", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -424,7 +424,7 @@ def start_own_server(db: str, folder: Path, port: int, password: str) -> tuple[s
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"server-{len(list(folder.glob('server-*.out')))}.out"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.server", "--db", db, "--artifacts",
+        proc = subprocess.Popen([sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts",
                                  folder / "artifacts", "--port", str(port), "--workers", "1"],
                                 cwd=ROOT, env=server_env("admin", password), stdout=f,
                                 stderr=subprocess.STDOUT)
@@ -560,8 +560,8 @@ def test_a_port_in_use_is_one_plain_line():
     use (while attempting to bind on address ('127.0.0.1', N)))`."""
     import socket
 
-    from stages.cli import UserError
-    from stages.server import check_port
+    from stages.lib.cli import UserError
+    from stages.team.server import check_port
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from stages import slurm as launcher
-from stages.cli import UserError
+from stages.lib.cli import UserError
+from stages.sweep import slurm as launcher
 from tests.slurm import slurm  # noqa: F401
 
 

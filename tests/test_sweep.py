@@ -89,8 +89,8 @@ def test_the_shipped_sweep_file_is_valid():
 
 def test_outside_a_sweep_training_logs_as_before(monkeypatch):
     """No study in the environment: the loop's `log` itself, optuna never imported."""
-    from stages import trial
     from stages.loop import no_log
+    from stages.sweep import trial
 
     monkeypatch.delenv(trial.STUDY_ENV, raising=False)
     assert trial.reporting(no_log, rank=0, world=1) is no_log
@@ -250,7 +250,7 @@ def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgr
                                                                  monkeypatch):
     """The same workers as SLURM array tasks on a one-node cluster (munged, slurmctld, slurmd on
     loopback); `scancel` of the task that is training is a dead worker."""
-    from stages import slurm as launcher
+    from stages.sweep import slurm as launcher
 
     repo = project(tmp_path, TINY.replace("trials: 8", "trials: 4"))
     uri = create_database(postgres, "slurm_sweep")

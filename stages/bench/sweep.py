@@ -1,4 +1,4 @@
-"""python -m stages.bench_sweep SWEEP --storage URI: one sweep on 1 and on 2 local workers, and
+"""python -m stages.bench.sweep SWEEP --storage URI: one sweep on 1 and on 2 local workers, and
 on 2 without its pruner, side by side (docs/sweeps.md has the figures and the command).
 
 Each case starts from nothing: a fresh clone of HEAD with its own bare git remote and DVC
@@ -72,7 +72,7 @@ def main() -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    parser = argparse.ArgumentParser(prog="python -m stages.bench_sweep", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m stages.bench.sweep", description=__doc__)
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--storage", required=True, help="a PostgreSQL URI (2 workers)")
     a = parser.parse_args()

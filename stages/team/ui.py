@@ -1,6 +1,6 @@
 """`make ui`: the MLflow UI of this repo's runs, on loopback, announced once it answers.
 
-    python -m stages.ui [--port 5000]
+    python -m stages.team.ui [--port 5000]
 
 `mlflow ui` alone prints its address about 18 s before it listens, that address opens the
 GenAI home page, and on Ctrl-C its workers linger for seconds. Here the server runs in its own
@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stages import tracking
-from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import load_params
-from stages.redact import masked
+from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.redact import masked
 
 
 def answers(url: str) -> bool:
@@ -117,7 +117,7 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.ui", description="The MLflow UI of this repo's runs.")
+    ap = ArgumentParser(prog="python -m stages.team.ui", description="The MLflow UI of this repo's runs.")
     ap.add_argument("--port", type=positive_int, default=5000, help="port on 127.0.0.1")
     ap.add_argument("--timeout", type=positive_int, default=180,
                     help="seconds to wait for the server to answer")

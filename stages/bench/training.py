@@ -1,4 +1,4 @@
-"""python -m stages.bench: the loop-optimization table, measured side by side on this machine.
+"""python -m stages.bench.training: the loop-optimization table, measured side by side on this machine.
 
 Every row is the repo's own `train()` with some switches changed, on the same model, the same
 initial weights, the same batch size and the same number of steps. Rounds are interleaved
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from stages.cli import ArgumentParser, positive_int
 from stages.config import PREPARED, DataConfig, TrainConfig, load_params
 from stages.data import Split, load_meta, load_split
-from stages.files import atomic_write, write_json, write_text
+from stages.lib.cli import ArgumentParser, positive_int
+from stages.lib.files import atomic_write, write_json, write_text
 from stages.loop import Job, RunIO, train
 from stages.models import build_model
 from stages.runtime import (
@@ -241,7 +241,7 @@ def bar_chart(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.bench", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m stages.bench.training", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="few steps and rounds, no compile row: under a minute on 2 CPU cores")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --pipeline: comma-separated git revisions, side by side")
     args = ap.parse_args(argv)
     if args.pipeline:
-        from stages import bench_pipeline
+        from stages.bench import pipeline as bench_pipeline
 
         rounds = args.rounds or (1 if args.quick else 2)
         report = bench_pipeline.pipeline([r for r in args.revs.split(",") if r], rounds)

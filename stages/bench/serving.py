@@ -1,8 +1,8 @@
 """`make bench-serve`: three ways to classify images, side by side in one run, on loopback.
 
-    python -m stages.bench_serve [--requests 300] [--batches 20] [--budget-s 60]
+    python -m stages.bench.serving [--requests 300] [--batches 20] [--budget-s 60]
 
-- served pyfunc: `python -m stages.serve` (the champion: base64 images in, labels out);
+- served pyfunc: `python -m stages.serving.app` (the champion: base64 images in, labels out);
 - served mlflow.pytorch: the model as export logged it before, `mlflow models serve` of it; the
   client decodes, resizes and normalizes each image and applies softmax to the logits, as its
   users had to;
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.bench import cpu_label
-from stages.cli import ArgumentParser, positive_int, run_stage
+from stages.bench.training import cpu_label
 from stages.config import EXPORT_DIR, TRAIN_DIR
-from stages.images import decode_image
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.images import decode_image
 from stages.predict import model_input, onnx_runner, probabilities, read_spec
-from stages.serve import serve_command, server_env
-from stages.ui import answers, stop
+from stages.serving.app import serve_command, server_env
+from stages.team.ui import answers, stop
 
 SAMPLES = sorted(Path("data/samples").glob("*.png"))
 
@@ -96,7 +96,7 @@ def pyfunc_row(images: list[bytes], port: int, args, work: Path) -> dict:
         body = json.dumps({"inputs": [base64.b64encode(b).decode() for b in batch]})
         return post(conn, body)["predictions"]
 
-    server, cold = served([sys.executable, "-m", "stages.serve", "--port", str(port)], port,
+    server, cold = served([sys.executable, "-m", "stages.serving.app", "--port", str(port)], port,
                           lambda: classify(images[:1]), args.timeout, work / "pyfunc.log")
     try:
         return {"cold_start_s": cold, **measure(classify, images, args)}
@@ -111,9 +111,9 @@ def pytorch_row(images: list[bytes], port: int, args, work: Path) -> dict:
     import mlflow.pytorch
     import torch
 
-    from stages import model_file
+    from stages import weights
 
-    model, _ = model_file.load(TRAIN_DIR / "model.pt")
+    model, _ = weights.load(TRAIN_DIR / "model.pt")
     spec = read_spec(EXPORT_DIR / "model.json")
     channels, size, _ = spec["input_shape"]
     folder = work / "pytorch-model"
@@ -166,7 +166,7 @@ def markdown(rows: dict[str, dict], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.bench_serve", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m stages.bench.serving", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=positive_int, default=300, help="requests of one image")
     ap.add_argument("--batches", type=positive_int, default=20, help="requests of a batch")
     ap.add_argument("--batch-size", type=positive_int, default=64)

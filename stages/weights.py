@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.cli import UserError
 from stages.config import ModelConfig
-from stages.files import verified_writes, verify_digest
+from stages.lib.cli import UserError
+from stages.lib.files import verified_writes, verify_digest
 from stages.models import fill, skeleton
 
 

@@ -5,7 +5,7 @@ without a word and ends on a 3,000-character list. Here a silence of 30 s gets a
 what pip is doing and for how long, and the list becomes a count. Standard library only: it
 runs in the new .venv before anything is installed.
 
-    pip install ... 2>&1 | python -m stages.pip_progress --total 195
+    pip install ... 2>&1 | python -m stages.lib.pip_progress --total 195
 """
 
 from __future__ import annotations

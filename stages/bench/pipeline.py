@@ -1,4 +1,4 @@
-"""python -m stages.bench --pipeline: where an experiment's wall time goes, stage by stage.
+"""python -m stages.bench.training --pipeline: where an experiment's wall time goes, stage by stage.
 
 Each git revision gets its own clone; every round runs the four stages there as DVC runs them
 (`python -m stages.<name>`, a fresh process each), rounds interleaved across revisions so that

@@ -35,10 +35,10 @@ from typing import Any
 
 from stages import tracking
 from stages.checkpoints import remove_run
-from stages.cli import ArgumentParser, UserError
-from stages.cli import run_stage as run_command
 from stages.config import ParamsError, _read_yaml, check_params, load_params
-from stages.trial import PRUNERS, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
+from stages.lib.cli import ArgumentParser, UserError
+from stages.lib.cli import run_stage as run_command
+from stages.sweep.trial import PRUNERS, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
 SWEEP_KEYS = {"objective", "trials", "sampler", "pruner", "params", "space", "heartbeat_s",
@@ -315,7 +315,7 @@ def storage_uri(given: str | None, workers: int) -> str:
 def shown(uri: str) -> str:
     """The URI (or a message naming it) without its password, in any of its forms: it goes into
     messages and MLflow tags."""
-    from stages.redact import masked_uri
+    from stages.lib.redact import masked_uri
 
     return masked_uri(uri)
 
@@ -516,7 +516,7 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
     trial.set_user_attr("retrained", "Running stage 'train'" in out.stdout)
     pushed = logged([dvc(), "exp", "push", *([] if dvc_remote else ["--no-cache"]), "origin", name],
                     clone, env)
-    shared = logged([sys.executable, "-m", "stages.share"], clone, env) if dvc_remote else pushed
+    shared = logged([sys.executable, "-m", "stages.team.share"], clone, env) if dvc_remote else pushed
     obj = spec["objective"]
     value = json.loads((clone / obj["file"]).read_text()).get(obj["metric"])
     if pushed.returncode or shared.returncode:
@@ -627,7 +627,7 @@ def pinned_commit(remote: str) -> tuple[str, str]:
     def git(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *argv], capture_output=True, text=True)
 
-    from stages.redact import holds_password
+    from stages.lib.redact import holds_password
 
     url = git("remote", "get-url", remote).stdout.strip() or remote
     if holds_password(url):
@@ -676,10 +676,10 @@ class Local:
 
 
 class Slurm:
-    """An array job whose tasks are workers (stages/slurm.py: sbatch, squeue/sacct, scancel)."""
+    """An array job whose tasks are workers (stages/sweep/slurm.py: sbatch, squeue/sacct, scancel)."""
 
     def __init__(self, argv: list[str], workers: int, log_dir: Path, env: dict, name: str):
-        from stages import slurm
+        from stages.sweep import slurm
 
         self.slurm = slurm
         self.job = slurm.submit_array(argv, workers, Path.cwd(), log_dir, env, name)
@@ -980,6 +980,3 @@ def main() -> None:
     else:
         status(a.study, a.workdir)
 
-
-if __name__ == "__main__":
-    run_command(main)

@@ -1,6 +1,6 @@
 """`make sync`: copy MLflow runs from a local store onto the tracking server, exactly once.
 
-    python -m stages.sync [--from sqlite:///path/mlflow.db] [--budget-s SECONDS]
+    python -m stages.tracking.sync [--from sqlite:///path/mlflow.db] [--budget-s SECONDS]
 
 By default the source is the spool (.mlflow-spool/), where a stage logs while the server does
 not answer; `--from` moves a machine's embedded store up instead (a week of offline runs). The
@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import stores
-from stages.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.tracking import stores
 
 # A progress bar per file, and MLflow's "View run" and "View experiment" lines for each run it
 # ends, would bury the one line sync prints.
@@ -513,7 +513,7 @@ def _failure(e: Exception, source: str, target: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.sync",
+    ap = ArgumentParser(prog="python -m stages.tracking.sync",
                         description="Copy runs from a local MLflow store onto the tracking server.")
     ap.add_argument("--from", dest="source", default="",
                     help="a local store, e.g. sqlite:///path/mlflow.db (default: the spool)")

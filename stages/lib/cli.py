@@ -28,7 +28,7 @@ class UserError(Exception):
 
 
 
-# Where a stage's time goes, for `python -m stages.bench --pipeline`: seconds in MLflow calls
+# Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
 # Libraries that cost a second or more to import: which of them a stage loaded.
@@ -77,7 +77,7 @@ def run_stage(main: Callable[[], None]) -> None:
               file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except OSError as e:
-        from stages.files import WRITE_ERRORS
+        from stages.lib.files import WRITE_ERRORS
 
         if e.errno not in WRITE_ERRORS:
             raise

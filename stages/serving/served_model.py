@@ -9,7 +9,7 @@ words of `stages.predict`'s warning).
 
 Each image is decoded, resized and normalized by the functions `python -m stages.predict` uses,
 and the graph runs in onnxruntime: no torch here, so a server loads it in a second. MLflow runs
-this file to load the model; `make serve` (stages/serve.py) runs the checkout's copy, never the
+this file to load the model; `make serve` (stages/serving/app.py) runs the checkout's copy, never the
 one stored with a registered model, and takes only model.onnx and model.json from the registry.
 """
 
@@ -25,12 +25,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from stages import predict as shared  # the functions `python -m stages.predict` runs
-from stages.images import ACCEPTED, DataError, decode_image, open_image
+from stages.lib.images import ACCEPTED, DataError, decode_image, open_image
 
 # Bounds on one request: its images, each image's pixels and all its images' pixels (read from
 # the headers, before any image is decoded: Pillow's own bomb limit only warns up to 179
 # megapixels, and 64 small PNGs of 4096x4096 zeros cost 13 s to decode), a batch's run time.
-# `make serve` also bounds the request's bytes (MAX_BODY_BYTES in stages/serve.py).
+# `make serve` also bounds the request's bytes (MAX_BODY_BYTES in stages/serving/app.py).
 MAX_IMAGES = 1024
 MAX_PIXELS = 4096 * 4096
 MAX_REQUEST_PIXELS = 2 * MAX_PIXELS
@@ -80,7 +80,7 @@ def pixels(data: bytes, i: int) -> int:
         raise BadInput(f"image {i}: not a readable image ({e})") from None
     if width * height > MAX_PIXELS:
         raise BadInput(f"image {i}: {width}x{height} pixels, over the {MAX_PIXELS:,} a served "
-                       "image may have (MAX_PIXELS in stages/served_model.py); resize it first")
+                       "image may have (MAX_PIXELS in stages/serving/served_model.py); resize it first")
     return width * height
 
 
@@ -99,7 +99,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
             raise BadInput(f"no images: inputs is an empty list; {FIX}")
         if len(model_input) > MAX_IMAGES:
             raise BadInput(f"{len(model_input)} images in one request, over {MAX_IMAGES} "
-                           "(MAX_IMAGES in stages/served_model.py); send them in smaller batches")
+                           "(MAX_IMAGES in stages/serving/served_model.py); send them in smaller batches")
         channels, size, _ = self.spec["input_shape"]
         files = [image_bytes(item, i) for i, item in enumerate(model_input)]
         total = 0
@@ -108,7 +108,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
             if total > MAX_REQUEST_PIXELS:
                 raise BadInput(f"images 0 to {i}: {total:,} pixels together, over the "
                                f"{MAX_REQUEST_PIXELS:,} one request may have (MAX_REQUEST_PIXELS "
-                               "in stages/served_model.py); send fewer or smaller images")
+                               "in stages/serving/served_model.py); send fewer or smaller images")
         images = []
         for i, data in enumerate(files):
             try:

@@ -1,4 +1,4 @@
-"""`python -m stages.share`: `dvc push --run-cache`, completed, so another machine restores every
+"""`python -m stages.team.share`: `dvc push --run-cache`, completed, so another machine restores every
 stage from the DVC remote instead of rerunning it.
 
 DVC 3.67 pushes the run-cache entries and the cached outputs they name, but not its copies of
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from ruamel.yaml import YAML
 
-from stages.cli import UserError, run_stage
+from stages.lib.cli import UserError, run_stage
 
 
 class ShareError(UserError):

@@ -1,7 +1,7 @@
 """`make server`: the team's MLflow tracking server, with logins, on a database, proxying artifacts.
 
     MLFLOW_TRACKING_USERNAME=admin MLFLOW_TRACKING_PASSWORD=... MLFLOW_FLASK_SERVER_SECRET_KEY=... \
-    python -m stages.server --db postgresql://mlflow@db-host/mlflow --artifacts /srv/mlartifacts \
+    python -m stages.team.server --db postgresql://mlflow@db-host/mlflow --artifacts /srv/mlartifacts \
         --port 5000 [--host 127.0.0.1] [--allowed-hosts mlflow.example.com]
 
 Every input is checked first, each in one line. `mlflow db upgrade` brings the database to this
@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from stages.cli import ArgumentParser, UserError, positive_int, run_stage
 from stages.config import load_params
-from stages.redact import masked, masked_uri
+from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.redact import masked, masked_uri
+from stages.team.ui import last_lines, private_folder, started
 from stages.tracking import reason
-from stages.ui import last_lines, private_folder, started
 
 # Logged-in users may browse every experiment and log only where they created the experiment or
 # were granted EDIT: a team shares its results, and a colleague's typo does not overwrite them.
@@ -217,7 +217,7 @@ def other_managers(db: str, admin: str, experiment: str, exp_id: str, model: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.server", description="The team's MLflow server.")
+    ap = ArgumentParser(prog="python -m stages.team.server", description="The team's MLflow server.")
     ap.add_argument("--db", default="", help="database URI, e.g. postgresql://mlflow@db-host/mlflow")
     ap.add_argument("--artifacts", default="", help="a folder, or an object store URI (s3://...)")
     ap.add_argument("--port", default="", help="port to listen on")

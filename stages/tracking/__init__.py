@@ -9,7 +9,7 @@ changed since: MLflow params are immutable) they open a run of their own, named 
 experiment and linked to the run that trained the model (tag `training_run_id`). Tracking
 never crashes training: when a tracking server stops answering (at the start or mid-run), the
 stage says so once and logs the rest into a local spool (.mlflow-spool/, an embedded store)
-that `make sync` (stages/sync.py) replays; any other store that fails leaves a no-op tracker.
+that `make sync` (stages/tracking/sync.py) replays; any other store that fails leaves a no-op tracker.
 The DVC outputs are written all the same.
 """
 
@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from stages.cli import timed
 from stages.config import MlflowConfig, flatten, repo_root
-from stages.files import file_hash, write_json
+from stages.lib.cli import timed
+from stages.lib.files import file_hash, write_json
 from stages.metrics import MLFLOW_NAMES
-from stages.stores import (  # reason, refusal: also read as tracking.reason/.refusal
+from stages.tracking.stores import (  # reason, refusal: also read as tracking.reason/.refusal
     SERVER_MODEL,
     SERVER_RUN,
     SPOOL,
@@ -69,7 +69,7 @@ RUN_FILE = "run.json"
 # How a store answers for a run it does not hold: basic-auth answers 403, not 404, since it
 # checks the permission on the run's experiment before anything looks the run up.
 MISSING_RUN = ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED")
-# A sweep's trials (stages/sweep.py) are children of the study's run: MLflow nests them under it.
+# A sweep's trials (stages/sweep/__init__.py) are children of the study's run: MLflow nests them under it.
 PARENT_RUN_ENV = "REPROTRAIN_SWEEP_PARENT_RUN"
 # MLflow 3.17's UI opens experiments in GenAI mode (Traces, Latency, Token Usage) and its runs
 # table with no params or metrics. The experiment says it is model training, and carries a
@@ -227,7 +227,7 @@ def replay_spool(uri: str) -> None:
     marker = spool_file().parent / "unsynced"
     if not is_server(uri) or not marker.exists():
         return
-    from stages.sync import Busy, sync
+    from stages.tracking.sync import Busy, sync
 
     started = time.time()
     try:
@@ -421,7 +421,7 @@ class Tracker:
         self._call(_log_dataset, meta, root)
 
     def log_served_model(self, name: str, **kwargs):
-        """A pyfunc model logged as code (stages/serving.py's model_kwargs): its ModelInfo, or
+        """A pyfunc model logged as code (stages/serving/registry.py's model_kwargs): its ModelInfo, or
         None when tracking is off."""
         import mlflow.pyfunc
 
@@ -693,7 +693,7 @@ def _server_id(experiment: str, run_id: str, uri: str) -> str:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from stages.sync import SOURCE_RUN, label
+    from stages.tracking.sync import SOURCE_RUN, label
 
     client = mlflow.MlflowClient(uri)
     try:

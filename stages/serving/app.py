@@ -1,14 +1,14 @@
 """`make serve`: the registry's champion over HTTP on loopback, images in, labels out.
 
-    python -m stages.serve [--port 5001] [--name NAME]
-    python -m stages.serve --save DIR          # the served model as a folder, and exit
-    python -m stages.serve --dockerfile DIR    # `mlflow models generate-dockerfile` of it
+    python -m stages.serving.app [--port 5001] [--name NAME]
+    python -m stages.serving.app --save DIR          # the served model as a folder, and exit
+    python -m stages.serving.app --dockerfile DIR    # `mlflow models generate-dockerfile` of it
 
 The champion (alias `champion` of registered model `export.register_as`, in the store of
 `make ui`: mlflow.db or MLFLOW_TRACKING_URI) is served by MLflow's scoring server, the app
 `mlflow models serve --env-manager local` runs, which answers `/ping` and `/invocations` with
 {"inputs": [<base64 image>, ...]}; here under uvicorn behind the bounds it lacks (`Bounded`).
-Only its model.onnx and model.json come from the registry, never code (stages/serving.py).
+Only its model.onnx and model.json come from the registry, never code (stages/serving/registry.py).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stages.cli import ArgumentParser, UserError, positive_int, run_stage
-from stages.serving import champion_files, registered_name, save_served
-from stages.stores import plain_uri
+from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.serving.registry import champion_files, registered_name, save_served
+from stages.tracking.stores import plain_uri
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data/samples/7.png"
+SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
 # server reads any body whole: 200 MB cost 7 s before its 400). 1024 digits take 0.5 MB;
-# photos are resized before they are sent (MAX_PIXELS in stages/served_model.py).
+# photos are resized before they are sent (MAX_PIXELS in stages/serving/served_model.py).
 MAX_BODY_BYTES = 8 * 2**20
 # Python's JSON parser recurses once per `[` or `{` and fails near 1000 levels deep with a
 # RecursionError, a 500 from MLflow's server; a request has 2. A body with fewer brackets than
@@ -66,7 +66,7 @@ def server_env() -> dict[str, str]:
 def serve_command(folder: Path, port: int) -> list[str]:
     """The server process: `run_server` over `folder`, in this environment (the one
     requirements.lock installed, as `mlflow models serve --env-manager local` would use)."""
-    return [sys.executable, "-m", "stages.serve", "--serve-folder", str(folder), "--port",
+    return [sys.executable, "-m", "stages.serving.app", "--serve-folder", str(folder), "--port",
             str(port)]
 
 
@@ -145,7 +145,7 @@ class Bounded:
             await self.app(scope, receive, send)
             return
         too_big = (f"a request body over {self.max_body:,} bytes, the most `make serve` reads "
-                   "(MAX_BODY_BYTES in stages/serve.py); send the images in smaller batches, "
+                   "(MAX_BODY_BYTES in stages/serving/app.py); send the images in smaller batches, "
                    "or resize them first")
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body:  # refused before any is read
@@ -195,7 +195,7 @@ def run_server(folder: Path, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m stages.serve", description="Serve the champion model.")
+    ap = ArgumentParser(prog="python -m stages.serving.app", description="Serve the champion model.")
     ap.add_argument("--port", type=positive_int, default=5001, help="port on 127.0.0.1")
     ap.add_argument("--name", help="registered model (default: export.register_as)")
     ap.add_argument("--alias", default="champion", help="the version to serve (default champion)")
@@ -229,7 +229,7 @@ def port_free(port: int) -> bool:
 
 def serve(name: str, work: Path, args) -> None:
     from stages.predict import onnx_runner, read_spec
-    from stages.ui import private_folder, started
+    from stages.team.ui import private_folder, started
 
     number, files = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.

@@ -1,4 +1,4 @@
-"""`make verify`'s verdict: `python -m stages.verify OLD_LOCK` compares dvc.lock after a forced
+"""`make verify`'s verdict: `python -m stages.team.verify OLD_LOCK` compares dvc.lock after a forced
 rerun of every stage with OLD_LOCK, the one before it; names the outputs whose hashes changed
 and how to get the previous ones back."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from stages.cli import UserError, run_stage
+from stages.lib.cli import UserError, run_stage
 
 
 class NotReproduced(UserError):

@@ -1,12 +1,12 @@
 """The served model's library: how it is logged (export) and how the champion is taken from the
-registry to be served (`make serve`, stages/serve.py) or loaded (`load_champion`).
+registry to be served (`make serve`, stages/serving/app.py) or loaded (`load_champion`).
 
 What runs is this checkout's code, never code from the registry. Loading a logged pyfunc model
 runs the Python file stored with it (models-from-code) or unpickles it (older models), and a
 team's registry takes versions from anyone who can log one. So only the two data files are taken
 from the champion, model.json (checked by stages.predict.read_spec) and model.onnx (a graph of
 standard operators, run by onnxruntime); the model folder served is saved afresh around them
-from stages/served_model.py of this checkout, with the modules it imports.
+from stages/serving/served_model.py of this checkout, with the modules it imports.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
-from stages.cli import UserError
 from stages.config import load_params
+from stages.lib.cli import UserError
 
 # Downloads of two small files need no progress bars in the output.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -34,7 +34,8 @@ FILES = ("model.onnx", "model.json")
 # model's requirements.txt, which a container built from it installs.
 REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # The modules of stages/ it imports (a test loads a saved model away from the checkout).
-PACKAGE = ("__init__.py", "cli.py", "config.py", "images.py", "predict.py")
+PACKAGE = ("__init__.py", "config.py", "predict.py", "lib/__init__.py", "lib/cli.py", "lib/images.py")
+STAGES = SERVED_MODEL.parents[1]
 
 
 def png_base64(images) -> list[str]:
@@ -66,7 +67,8 @@ def package_copy(dest: Path) -> Path:
     package = dest / "stages"
     package.mkdir(parents=True)
     for name in PACKAGE:
-        shutil.copy2(SERVED_MODEL.with_name(name), package / name)
+        (package / name).parent.mkdir(exist_ok=True)
+        shutil.copy2(STAGES / name, package / name)
     return package
 
 
@@ -101,7 +103,7 @@ def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:
     """Why the champion could not be looked up, in one line with its fix: a login refused or a
     server that does not answer is no reason to retrain (`make repro`)."""
     from stages import tracking
-    from stages.stores import is_server, plain_uri, reachable
+    from stages.tracking.stores import is_server, plain_uri, reachable
 
     where = plain_uri(uri)  # credentials a URI may carry never reach a message
     what = f"the {alias} of registered model {name!r}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from stages.cli import UserError
+from stages.lib.cli import UserError
 
 # The image files read, by extension, and the one Pillow decoder each may use. Only these decode,
 # whatever a file's name or first bytes claim: Pillow's EPS decoder runs Ghostscript on the file
@@ -124,7 +124,7 @@ def check_size(path: str | Path) -> None:
     n = os.stat(path).st_size
     if n > MAX_IMAGE_BYTES:
         raise DataError(f"{n / 2**20:,.0f} MiB, over the {MAX_IMAGE_BYTES // 2**20} MiB limit "
-                        "for one image file (MAX_IMAGE_BYTES in stages/images.py)")
+                        "for one image file (MAX_IMAGE_BYTES in stages/lib/images.py)")
 
 
 def open_image(source: str | Path | bytes) -> Image.Image:
@@ -145,7 +145,7 @@ def open_image(source: str | Path | bytes) -> Image.Image:
     if img.format in ("JPEG", "MPO") and (scans := jpeg_scans(img.fp)) > MAX_JPEG_SCANS:
         img.close()
         raise DataError(f"a JPEG of {scans:,} scans, over the {MAX_JPEG_SCANS} read here "
-                        "(MAX_JPEG_SCANS in stages/images.py); save it again, e.g. as PNG")
+                        "(MAX_JPEG_SCANS in stages/lib/images.py); save it again, e.g. as PNG")
     return img
 
 
@@ -174,7 +174,7 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
     with open_image(source) as opened:
         if max(opened.size) > MAX_SIDE:
             raise DataError(f"{opened.width}x{opened.height} pixels: a side over {MAX_SIDE:,} "
-                            "(MAX_SIDE in stages/images.py); crop or resize it first")
+                            "(MAX_SIDE in stages/lib/images.py); crop or resize it first")
         try:
             opened.load()  # decode it all now: a truncated file fails here, never padded silently
             img = to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")

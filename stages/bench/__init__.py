@@ -1,0 +1,2 @@
+"""Measurements, each side by side in one run: the loop (`make bench`), the pipeline
+(`make bench-pipeline`), serving (`make bench-serve`), sweeps, several nodes and the import graph."""

@@ -1,0 +1,156 @@
+"""The import graph of stages/: which module imports which, in layers, drawn as a picture.
+
+    python -m stages.bench.imports [--rev REV] [--out imports.png]
+
+dvc.yaml's deps come from it (tests/test_dvc_yaml.py), and docs/code-map.md shows its pictures.
+Imports inside functions count: they run as surely as the ones at the top. A package's
+`__init__` counts only where it is imported by name (importing stages.lib.files runs
+stages/lib/__init__.py, a docstring, which decides nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sources(rev: str | None = None) -> dict[str, str]:
+    """Each module of stages/ (dotted name) -> its source: of the checkout, or of git revision
+    `rev`."""
+    if rev is None:
+        files = {p.relative_to(ROOT).as_posix(): p.read_text() for p in (ROOT / "stages").rglob("*.py")}
+    else:
+        listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "stages/"], cwd=ROOT,
+                                check=True, capture_output=True, text=True).stdout.split()
+        files = {f: subprocess.run(["git", "show", f"{rev}:{f}"], cwd=ROOT, check=True,
+                                   capture_output=True, text=True).stdout
+                 for f in listed if f.endswith(".py")}
+    return {module_name(f): text for f, text in files.items()}
+
+
+def module_name(path: str) -> str:
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_file(name: str) -> str:
+    """stages.lib.files -> stages/lib/files.py; a package of the checkout -> its __init__.py."""
+    path = name.replace(".", "/")
+    return f"{path}/__init__.py" if (ROOT / path).is_dir() else f"{path}.py"
+
+
+def graph(texts: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of stages/ it imports."""
+    edges: dict[str, set[str]] = {}
+    for name, text in texts.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
+                    (node.module == "stages" or node.module.startswith("stages.")):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    out.add(sub if sub in texts else node.module)
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name.startswith("stages.")}
+        edges[name] = {m for m in out if m in texts and m != name and m != "stages"}
+    return edges
+
+
+def closure(edges: dict[str, set[str]], start: str, stop: Callable[[str], bool]) -> set[str]:
+    """`start` and what it imports, transitively, not going into modules where `stop` holds."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen and not (stop(name) and name != start):
+            seen.add(name)
+            todo += edges.get(name, ())
+    return seen
+
+
+def layers(edges: dict[str, set[str]]) -> dict[str, int]:
+    """0 for a module that imports none of stages/, else one more than its highest import's
+    (modules on a cycle share the layer of the cycle)."""
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
+    g.add_nodes_from(edges)
+    dag = nx.condensation(g)
+    level: dict[int, int] = {}
+    for c in reversed(list(nx.topological_sort(dag))):
+        level[c] = 1 + max((level[d] for d in dag.successors(c)), default=-1)
+    return {m: level[dag.graph["mapping"][m]] for m in edges}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
+    return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+
+
+def summary(edges: dict[str, set[str]]) -> dict[str, int]:
+    top = [m for m in edges if m.count(".") == 1 and not any(n.startswith(m + ".") for n in edges)]
+    return {"modules": len(edges), "top_level_modules": len(top),
+            "layers": max(layers(edges).values()) + 1,
+            "imports": sum(map(len, edges.values())), "cycles": len(cycles(edges))}
+
+
+def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
+    """Boxes in columns by layer (imports point left), coloured by package."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    level = layers(edges)
+    columns: dict[int, list[str]] = {}
+    for m in sorted(edges, key=lambda m: (m.split(".")[1] if m.count(".") > 1 else "", m)):
+        columns.setdefault(level[m], []).append(m)
+    height = max(map(len, columns.values()))
+    pos = {m: (2.6 * x, height - i * height / len(ms)) for x, ms in columns.items()
+           for i, m in enumerate(ms)}
+    packages = sorted({m.split(".")[1] for m in edges if m.count(".") > 1})
+    colours = dict(zip(packages, plt.cm.Set2.colors, strict=False))
+    fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 2, 0.42 * height + 2))
+    for a, bs in edges.items():
+        for b in bs:
+            ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops={
+                "arrowstyle": "->", "color": "#888", "lw": 0.5, "alpha": 0.5,
+                "shrinkA": 14, "shrinkB": 14})
+    for m, (x, y) in pos.items():
+        package = m.split(".")[1] if m.count(".") > 1 else None
+        ax.text(x, y, m.removeprefix("stages."), ha="center", va="center", fontsize=8,
+                bbox={"boxstyle": "round", "fc": colours.get(package, "white"), "ec": "#333"})
+    s = summary(edges)
+    ax.set_title(f"{title}: {s['modules']} modules ({s['top_level_modules']} at the top of "
+                 f"stages/), {s['layers']} layers, {s['imports']} imports, {s['cycles']} cycles"
+                 "\ncolumns are layers: a module imports only modules to its left; colour = package",
+                 fontsize=10)
+    ax.set_xlim(-1.5, 2.6 * max(columns) + 1.5)
+    ax.set_ylim(-1, height + 1)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m stages.bench.imports", description=__doc__.split("\n")[0])
+    ap.add_argument("--rev", help="a git revision instead of the checkout")
+    ap.add_argument("--out", type=Path, help="draw the graph into this PNG")
+    a = ap.parse_args()
+    edges = graph(sources(a.rev))
+    print(" ".join(f"{k}={v}" for k, v in summary(edges).items()))
+    print("top of stages/:", " ".join(sorted(m.removeprefix("stages.") for m in edges
+                                              if m.count(".") == 1)))  # packages too
+    if a.out:
+        draw(edges, a.out, a.rev or "this checkout")
+
+
+if __name__ == "__main__":
+    main()
