@@ -1,4 +1,5 @@
 """`python -m stages.sweep run|worker|status` (`make sweep`)."""
-from stages.sweep import main, run_command
+from stages.lib.cli import run_stage
+from stages.sweep import main
 
-run_command(main)
+run_stage(main)
