@@ -37,7 +37,6 @@ from stages import tracking
 from stages.checkpoints import remove_run
 from stages.config import ParamsError, _read_yaml, check_params, load_params
 from stages.lib.cli import ArgumentParser, UserError
-from stages.lib.cli import run_stage as run_command
 from stages.sweep.trial import PRUNERS, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
