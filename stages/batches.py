@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from stages.config import TrainConfig
+from stages.config import TrainConfig, batch_share
 from stages.data import Split
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
@@ -34,10 +34,7 @@ class BatchPlan:
 
 def plan_batches(n: int, batch_size: int, world: int, accumulate: int) -> BatchPlan:
     """`batch_size` is the global batch: each of the `world` processes takes an equal share."""
-    if batch_size % world:
-        raise ValueError(f"batch_size={batch_size} is the global batch: it must divide evenly "
-                         f"among the {world} processes")
-    local_bs, per_rank = batch_size // world, n // world
+    local_bs, per_rank = batch_share(batch_size, world, f"the {world} processes"), n // world
     sizes = [min(local_bs, per_rank - i) for i in range(0, per_rank, local_bs)]
     if len(sizes) > 1 and sizes[-1] == 1:
         sizes.pop()  # a batch of one breaks BatchNorm's batch statistics

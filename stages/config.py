@@ -244,10 +244,18 @@ class Params:
         _require(self.lr > 0, "lr", self.lr, "must be > 0 (try 3e-3 for adamw, 0.1 for sgd)")
         _require(1 <= self.epochs <= MAX_EPOCHS, "epochs", self.epochs, f"must be >= 1 and <= {MAX_EPOCHS}")
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        # batch_size is the global batch: each of N processes takes batch_size / N (batches.py).
-        _require(self.train.nproc_per_node == "auto" or self.batch_size % self.train.nproc_per_node == 0,
-                 "batch_size", self.batch_size, f"must be a multiple of train.nproc_per_node="
-                 f"{self.train.nproc_per_node}: each process takes an equal share of the global batch")
+        if self.train.nproc_per_node != "auto":  # auto is counted on the machine that trains
+            batch_share(self.batch_size, self.train.nproc_per_node,
+                        f"train.nproc_per_node={self.train.nproc_per_node}")
+
+
+def batch_share(batch_size: int, processes: int, what: str) -> int:
+    """Each process's part of the global batch: the one place the rule lives (checked with the
+    params, when `auto` is counted, and when the training group has formed). `what` names the
+    processes for the message."""
+    _require(batch_size % processes == 0, "batch_size", batch_size,
+             f"must be a multiple of {what}: each process takes an equal share of the global batch")
+    return batch_size // processes
 
 
 def _accepts(tp: Any, value: Any) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from stages.config import ParamsError, TrainConfig
+from stages.config import ParamsError, TrainConfig, batch_share
 from stages.lib.cli import UserError
 
 
@@ -38,10 +38,7 @@ def requested_processes(cfg: TrainConfig, batch_size: int) -> int:
         raise ParamsError(f"params.yaml: train.nproc_per_node={cfg.nproc_per_node!r} is invalid: "
                           f"each process takes a GPU of its own and {gpus} are visible; use at most "
                           f"{gpus}, or auto, or train.device: cpu")
-    if batch_size % n:  # an integer nproc_per_node is checked with the params; auto only here
-        raise ParamsError(f"params.yaml: batch_size={batch_size} is invalid: must be a multiple of "
-                          f"the {n} processes of train.nproc_per_node={cfg.nproc_per_node!r}: each "
-                          "takes an equal share of the global batch")
+    batch_share(batch_size, n, f"the {n} processes of train.nproc_per_node={cfg.nproc_per_node!r}")
     return n
 
 

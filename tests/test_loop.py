@@ -248,3 +248,16 @@ def test_an_epoch_metric_declared_but_not_computed_fails_naming_it(digits, monke
     with pytest.raises(RuntimeError, match=r"\['val_top5'\]: computed in stages/loop.py or "
                                            r"declared in stages/metrics.py EPOCH"):
         fit(linear_model(), digits, n=64, epochs=1)
+
+
+def test_the_global_batch_rule_is_one_check_with_one_message():
+    """batch_size is the global batch: the params check, `auto`'s count and the formed group all
+    refuse a batch that does not split evenly, with the same line naming the key."""
+    from stages.batches import plan_batches
+    from stages.config import ParamsError, batch_share
+
+    with pytest.raises(ParamsError, match=r"^params.yaml: batch_size=10 is invalid: must be a "
+                       r"multiple of the 4 processes: each process takes an equal share"):
+        plan_batches(100, 10, 4, 1)
+    assert batch_share(12, 4, "x") == 3
+    assert plan_batches(100, 12, 4, 1).sizes[0] == 3
