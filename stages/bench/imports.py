@@ -93,8 +93,12 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
 
 
+def packages_of(edges: dict[str, set[str]]) -> set[str]:
+    return {m for m in edges if any(n.startswith(m + ".") for n in edges)}
+
+
 def summary(edges: dict[str, set[str]]) -> dict[str, int]:
-    top = [m for m in edges if m.count(".") == 1 and not any(n.startswith(m + ".") for n in edges)]
+    top = [m for m in edges if m.count(".") == 1 and m not in packages_of(edges)]
     return {"modules": len(edges), "top_level_modules": len(top),
             "layers": max(layers(edges).values()) + 1,
             "imports": sum(map(len, edges.values())), "cycles": len(cycles(edges))}
@@ -107,29 +111,34 @@ def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    level = layers(edges)
+    def package(m: str) -> str | None:
+        return m.split(".")[1] if m.count(".") > 1 or packages_of(edges) & {m} else None
+
+    imported = set().union(*edges.values())
+    shown = {m: bs for m, bs in edges.items()  # not a package that is only a docstring
+             if bs or m in imported or m not in packages_of(edges) and m != "stages"}
+    level = layers(shown)
     columns: dict[int, list[str]] = {}
-    for m in sorted(edges, key=lambda m: (m.split(".")[1] if m.count(".") > 1 else "", m)):
+    for m in sorted(shown, key=lambda m: (package(m) or "", m)):
         columns.setdefault(level[m], []).append(m)
     height = max(map(len, columns.values()))
     pos = {m: (2.6 * x, height - i * height / len(ms)) for x, ms in columns.items()
            for i, m in enumerate(ms)}
-    packages = sorted({m.split(".")[1] for m in edges if m.count(".") > 1})
-    colours = dict(zip(packages, plt.cm.Set2.colors, strict=False))
+    colours = dict(zip(sorted({package(m) for m in shown} - {None}), plt.cm.Set2.colors, strict=False))
     fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 2, 0.42 * height + 2))
-    for a, bs in edges.items():
+    for a, bs in shown.items():
         for b in bs:
             ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops={
                 "arrowstyle": "->", "color": "#888", "lw": 0.5, "alpha": 0.5,
                 "shrinkA": 14, "shrinkB": 14})
     for m, (x, y) in pos.items():
-        package = m.split(".")[1] if m.count(".") > 1 else None
         ax.text(x, y, m.removeprefix("stages."), ha="center", va="center", fontsize=8,
-                bbox={"boxstyle": "round", "fc": colours.get(package, "white"), "ec": "#333"})
+                bbox={"boxstyle": "round", "fc": colours.get(package(m), "white"), "ec": "#333"})
     s = summary(edges)
     ax.set_title(f"{title}: {s['modules']} modules ({s['top_level_modules']} at the top of "
                  f"stages/), {s['layers']} layers, {s['imports']} imports, {s['cycles']} cycles"
-                 "\ncolumns are layers: a module imports only modules to its left; colour = package",
+                 "\ncolumns are layers: a module imports only modules to its left; white = the top of "
+                 "stages/, a colour per package",
                  fontsize=10)
     ax.set_xlim(-1.5, 2.6 * max(columns) + 1.5)
     ax.set_ylim(-1, height + 1)

@@ -1,0 +1,44 @@
+"""The shape of stages/: the experiment at the top, the team's tools in packages, and every
+module path a user could have typed before the move still answering."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib.util import find_spec
+
+import pytest
+
+from stages import MOVED
+from stages.bench.imports import graph, packages_of, sources, summary
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_names_its_new_place(old):
+    p = subprocess.run([sys.executable, "-m", f"stages.{old}", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and f"stages.{old} moved to stages.{MOVED[old]}" in p.stderr, p.stderr
+    assert find_spec(f"stages.{MOVED[old]}"), f"stages.{MOVED[old]} does not exist"
+
+
+def test_every_module_the_makefile_runs_exists():
+    modules = set(re.findall(r"\$\(PY\) -m (stages[\w.]*)", (ROOT / "Makefile").read_text()))
+    assert {"stages.params", "stages.tracking.sync", "stages.sweep"} <= modules
+    for module in modules:
+        spec = find_spec(module)
+        assert spec and (spec.submodule_search_locations is None or
+                         find_spec(f"{module}.__main__")), f"`python -m {module}` cannot run"
+
+
+def test_the_top_of_stages_holds_the_experiment_and_the_tools_have_packages():
+    edges = graph(sources())
+    top = {m.removeprefix("stages.") for m in edges if m.count(".") == 1} - \
+        {m.removeprefix("stages.") for m in packages_of(edges)}
+    assert {"params", "prepare", "train", "evaluate", "export", "predict", "models", "sources",
+            "loop", "config"} <= top
+    assert summary(edges)["top_level_modules"] <= 20, sorted(top)
+    assert {"stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench",
+            "stages.lib"} <= packages_of(edges)
+    assert summary(edges)["cycles"] == 0
