@@ -7,6 +7,7 @@ quoted number fails naming the key, instead of being silently coerced or ignored
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import hashlib
@@ -26,12 +27,29 @@ from omegaconf import OmegaConf
 
 from stages.lib.cli import UserError
 
-# The choices of data.source, model.arch and train.schedule: the registries sources.SOURCES,
-# models.ARCHS and optim.SCHEDULES hold the code for each name (a test keeps them equal). Only
-# the names live here, so checking params.yaml needs no model or data code, and a model change
-# never reruns prepare.
-SOURCES = ("digits", "folder", "cifar10", "mnist", "fashion_mnist")
-ARCHS = ("cnn", "resnet18")
+
+def _registry_names(module: str, name: str) -> tuple[str, ...]:
+    """The keys of the registry `name`, a dict written out in stages/<module>.py, read from its
+    source rather than imported: the registry owns the names (adding a model or a source touches
+    that file alone), checking params.yaml still imports no torch (a second of every params
+    stage), and the import graph that dvc.yaml's deps come from keeps models.py out of
+    prepare's (a model change never reruns prepare)."""
+    path = Path(__file__).with_name(f"{module}.py")
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else \
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(target, ast.Name) and target.id == name:
+            keys = node.value.keys if isinstance(node.value, ast.Dict) else [None]
+            if all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in keys):
+                return tuple(k.value for k in keys)
+    raise RuntimeError(f"{path}: `{name}` must be a dict written out with string keys (its "
+                       "module docstring says why)")
+
+
+# The choices of data.source and model.arch: the names in the registries sources.SOURCES and
+# models.ARCHS. Those of train.schedule are optim.SCHEDULES's (a test keeps the two equal).
+SOURCES = _registry_names("sources", "SOURCES")
+ARCHS = _registry_names("models", "ARCHS")
 SCHEDULES = ("cosine", "step", "plateau", "constant")
 
 # The pipeline's folders, as dvc.yaml names them (a test checks).

@@ -1,7 +1,36 @@
 """Model builders and the registry `ARCHS` that `model.arch` names an entry of.
 
-A new model: a function `(cfg, channels, num_classes) -> nn.Module` here, its entry in `ARCHS`,
-its name in `config.ARCHS` (a test keeps the two equal); new hyperparameters go in `ModelConfig`.
+A new model is a builder here and its entry in `ARCHS`; `model.arch: <name>` in params.yaml
+picks it. Nothing else lists the models: config reads the names from this file's source, so
+`ARCHS` stays a dict written out with string keys. tests/test_contracts.py checks every entry
+against this contract:
+
+- Builder: `(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module`, and all it
+  builds follows from those three: model.pt and model.json store `model_params` (the `model`
+  section), channels and the class names, and evaluate, export, predict and serving rebuild
+  the model from them alone. A new hyperparameter is a `ModelConfig` field with a default and a
+  bound in its `__post_init__` (a forged file can name any value, and its skeleton is built
+  before anything is checked), a row in README's parameter table; the existing ones are
+  `width` and `dropout`, which a builder may ignore.
+- Weights: same seed, same weights, bitwise. Build with torch's default initializers, drawing
+  only from torch's global generator (train seeds it first), in a fixed order; no pretrained
+  weights, no download, no files read.
+- Meta device: it builds under `torch.device("meta")` (`skeleton`): no tensor is read or
+  computed while building, since every file's claims are checked against the skeleton first.
+- Input: float32 NCHW `(N, channels, S, S)`, normalized, for any batch N >= 1 and any image
+  size S in data.image_size's range that the architecture admits (the small CNN pools twice).
+  Output: float32 logits `(N, num_classes)`, no softmax (the loss and predict apply it).
+- Output key: the last tensor of `state_dict()` is the output layer's bias, of shape
+  `(num_classes,)`: `output_key` finds the number of classes in a file by it.
+- state_dict: tensors only, none sharing memory with another (safetensors refuses shared
+  tensors), the same names, shapes and dtypes on every build (`weights_mismatch`).
+- Export: `torch.export` with a dynamic batch dimension (1 to `MAX_EXPORT_BATCH`, traced at
+  batch 2) and ONNX (opset 18, through the same program) agree with eager within
+  `export.atol` (1e-4) at two batch sizes: no Python branch or shape taken from the batch
+  size, no `view(2, ...)`-style constants (use `flatten`).
+- Training: every parameter gets a gradient from every forward pass (DDP's default), the
+  module survives `copy.deepcopy` (EMA), `.to(memory_format=torch.channels_last)` and
+  `torch.compile`; `train()`/`eval()` switch dropout and BatchNorm only.
 """
 
 from __future__ import annotations

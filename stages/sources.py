@@ -1,8 +1,27 @@
 """Data sources for the prepare stage: each reads its data into uint8 train/val/test splits.
 
-`SOURCES` is the registry: `data.source` names one of its entries (config.py keeps the names, so
-that checking params needs no data code; a test keeps the two equal). A new source: a function
-`(cfg, seed, scratch) -> Loaded` here, its entry in `SOURCES`, its name in `config.SOURCES`.
+A new source is a function here and its entry in `SOURCES`; `data.source: <name>` in
+params.yaml picks it. Nothing else lists the sources: config reads the names from this file's
+source, so `SOURCES` stays a dict written out with string keys. tests/test_contracts.py checks
+every entry against this contract (a source that needs files it cannot write offline adds a
+writer of small ones there):
+
+- Signature: `(cfg: DataConfig, seed: int, scratch: Path) -> Loaded`. It reads `data.root`
+  (its raw data, or where a download goes) and the `data` section only; `scratch` is
+  data/prepared/, where it may put memory-mapped `.<name>.npy` files (prepare removes them).
+- Splits: `Loaded.splits` holds exactly "train", "val" and "test" (`data.SPLITS`), each a
+  `Split` with `x` uint8 `(N, data.channels, data.image_size, data.image_size)` and `y` int64
+  `(N,)` in `0..len(classes) - 1`; every class is in train. A dataset's own test split is kept;
+  otherwise val and test are carved out stratified by `data.val_fraction`/`test_fraction`
+  (`from_arrays` does both, and `resize` the `data.resize` policy).
+- Classes: `Loaded.classes`, two or more distinct names in label order; they become
+  meta.json's and model.json's labels.
+- Determinism: the same raw data, `data` section and seed give the same splits, to the byte
+  (meta.json's sha256 and dvc.lock), on any machine and any number of workers: no unseeded
+  randomness, no order from the file system or from threads.
+- Failure: a problem with the user's data or setup is a `DataError` that names the file or
+  key and says what to do (offline: which files to put where); unreadable images go to
+  `Loaded.rejected`, identical files in two splits to `Loaded.leaks`.
 """
 
 from __future__ import annotations
