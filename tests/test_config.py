@@ -125,17 +125,13 @@ def test_every_param_is_explained_in_the_readme():
 
 
 def test_each_registry_holds_exactly_the_choices_the_config_accepts(tmp_path):
-    import torch
-
+    """config reads the models' and sources' names from their registries' source (tests/
+    test_contracts.py checks each entry)."""
     from stages import config, models, optim, sources
-    from stages.config import ModelConfig
 
     assert list(models.ARCHS) == list(config.ARCHS)
     assert list(optim.SCHEDULES) == list(config.SCHEDULES)
     assert list(sources.SOURCES) == list(config.SOURCES)
-    for arch in config.ARCHS:  # every registered model builds and classifies
-        model = models.build_model(ModelConfig(arch=arch, width=4), 3, 7).eval()
-        assert model(torch.zeros(2, 3, 16, 16)).shape == (2, 7)
     with pytest.raises(ParamsError, match=f"model.arch='vit'.*choose one of {', '.join(ARCHS)}"):
         load_params(write(tmp_path, "model:\n  arch: vit\n"))
 
