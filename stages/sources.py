@@ -9,6 +9,8 @@ writer of small ones there):
 - Signature: `(cfg: DataConfig, seed: int, scratch: Path) -> Loaded`. It reads `data.root`
   (its raw data, or where a download goes) and the `data` section only; `scratch` is
   data/prepared/, where it may put memory-mapped `.<name>.npy` files (prepare removes them).
+  One whose raw data is not under `data.root` (digits: scikit-learn's file) adds its case to
+  `data.raw_data`, the path MLflow's dataset record names (else that names `data.root`).
 - Splits: `Loaded.splits` holds exactly "train", "val" and "test" (`data.SPLITS`), each a
   `Split` with `x` uint8 `(N, data.channels, data.image_size, data.image_size)` and `y` int64
   `(N,)` in `0..len(classes) - 1`; every class is in train. A dataset's own test split is kept;
