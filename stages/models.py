@@ -3,15 +3,17 @@
 A new model is a builder here and its entry in `ARCHS`; `model.arch: <name>` in params.yaml
 picks it. Nothing else lists the models: config reads the names from this file's source, so
 `ARCHS` stays a dict written out with string keys. tests/test_contracts.py checks every entry
-against this contract:
+against this contract (all but `torch.compile`):
 
 - Builder: `(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module`, and all it
   builds follows from those three: model.pt and model.json store `model_params` (the `model`
   section), channels and the class names, and evaluate, export, predict and serving rebuild
-  the model from them alone. A new hyperparameter is a `ModelConfig` field with a default and a
-  bound in its `__post_init__` (a forged file can name any value, and its skeleton is built
-  before anything is checked), a row in README's parameter table; the existing ones are
-  `width` and `dropout`, which a builder may ignore.
+  the model from them alone. The image size is not among them: a layer sized by it (an MLP's
+  first) pools to a fixed size first. A new hyperparameter is a `ModelConfig` field with a
+  default and a bound in its `__post_init__` (a forged file can name any value, and its
+  skeleton is built before anything is checked), in params.yaml and in README's parameter
+  table (test_config.py checks both); the existing ones, `width` and `dropout`, a builder may
+  ignore.
 - Weights: same seed, same weights, bitwise. Build with torch's default initializers, drawing
   only from torch's global generator (train seeds it first), in a fixed order; no pretrained
   weights, no download, no files read.
@@ -21,7 +23,8 @@ against this contract:
   size S in data.image_size's range that the architecture admits (the small CNN pools twice).
   Output: float32 logits `(N, num_classes)`, no softmax (the loss and predict apply it).
 - Output key: the last tensor of `state_dict()` is the output layer's bias, of shape
-  `(num_classes,)`: `output_key` finds the number of classes in a file by it.
+  `(num_classes,)`: `output_key` finds the number of classes in a file by it (a head without
+  a bias, or a buffer registered after it, breaks this).
 - state_dict: tensors only, none sharing memory with another (safetensors refuses shared
   tensors), the same names, shapes and dtypes on every build (`weights_mismatch`).
 - Export: `torch.export` with a dynamic batch dimension (1 to `MAX_EXPORT_BATCH`, traced at
