@@ -16,7 +16,7 @@ from tests.conftest import ROOT, copy_repo, env_with, run
 # The team's packages never decide an output: tracking logs to MLflow and writes only side files
 # that no stage reads back as an input, the sweep's trial hook only stops a pruned trial, serving
 # logs the served model to MLflow. Editing them reruns no stage (dvc.yaml says why, and
-# tests/test_pipeline.py proves the outputs the same to the byte with every kind of store).
+# tests/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
 TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
 # Modules that change no output either: stages/__init__.py (the finder that names a moved
 # module's new place) and stages/lib/cli.py (exit codes, one-line errors, argparse helpers).
