@@ -1,8 +1,8 @@
 """One typed schema for params.yaml, validated once at stage start.
 
-OmegaConf reads the YAML (PyYAML would read `1e-3` as a string) and builds the dataclasses;
-before that, `_check` walks the raw YAML against the schema so that a typo, a wrong type or a
-quoted number fails naming the key, instead of being silently coerced or ignored.
+stages/lib/strict_yaml.py reads the YAML (no interpolation, bounded) and OmegaConf builds the
+dataclasses; before that, `check_schema` walks the raw YAML against the schema so that a typo, a
+wrong type or a quoted number fails naming the key, instead of being silently coerced or ignored.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import ast
 import dataclasses
 import difflib
 import hashlib
-import io
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from typing import Any, Union
 from omegaconf import OmegaConf
 
 from stages.lib.cli import UserError
+from stages.lib.strict_yaml import YamlError, read_yaml, refuse_interpolation
 
 
 def _registry_names(module: str, name: str) -> tuple[str, ...]:
@@ -296,21 +296,30 @@ def _type_name(tp: Any) -> str:
         else getattr(tp, "__name__", str(tp))
 
 
-def _check(raw: dict, schema: type, prefix: str = "") -> None:
+def unknown_key(where: str, key: str, known: list[str], prefix: str = "") -> str:
+    """The line for a key that is none of `known` (in the order given): the known key it is
+    closest to, or all of them. params.yaml, model.json's model_params and a sweep file say it
+    alike."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {prefix + close[0]!r}?" if close else \
+        f"known keys: {', '.join(prefix + k for k in known)}"
+    return f"{where}: unknown key {prefix + key!r}; {hint}"
+
+
+def check_schema(raw: dict, schema: type, prefix: str = "") -> None:
+    """`raw`'s keys and value types against a dataclass of this schema (`prefix`: its section),
+    before any value is converted; the ranges are the dataclass's own __post_init__."""
     hints = typing.get_type_hints(schema)
     for key, value in raw.items():
         name = f"{prefix}{key}"
         if key not in hints:
-            close = difflib.get_close_matches(str(key), hints, n=1)
-            hint = f"; did you mean {prefix + close[0]!r}?" if close else \
-                f"; known keys: {', '.join(prefix + k for k in hints)}"
-            raise ParamsError(f"params.yaml: unknown key {name!r}{hint}")
+            raise ParamsError(unknown_key("params.yaml", str(key), list(hints), prefix))
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ParamsError(f"params.yaml: {name!r} must be a section (a mapping), "
                                   f"got {value!r}")
-            _check(value, tp, f"{name}.")
+            check_schema(value, tp, f"{name}.")
         elif not _accepts(tp, value):
             quoted = " (remove the quotes)" if isinstance(value, str) and tp in (int, float) else ""
             raise ParamsError(f"params.yaml: {name}={value!r} must be {_type_name(tp)}, "
@@ -324,7 +333,7 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     path = Path(path)
     if not path.exists():
         raise ParamsError(f"{path}: not found; run from the repository root")
-    raw = _read_yaml(path)
+    raw = read_params(path)
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: must be a mapping of keys to values")
     try:
@@ -345,80 +354,22 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 def check_params(raw: dict, path: str | Path = "params.yaml") -> Params:
     """params.yaml's mapping (plain containers) checked against the schema: keys, types, then
     every range; also for values that are not in a file yet (a sweep's)."""
-    _refuse_interpolation(raw, Path(path))
-    _check(raw, Params)
+    try:
+        refuse_interpolation(raw, Path(path))
+    except YamlError as e:
+        raise ParamsError(str(e)) from None
+    check_schema(raw, Params)
     merged = OmegaConf.merge(OmegaConf.structured(Params), raw)
     return OmegaConf.to_object(merged)  # runs every __post_init__ range check
 
 
-# A params.yaml holds about a hundred values in under 2 KB: these bounds are far above any real
-# one and stop a file that would make every stage read gigabytes ("billion laughs" aliases).
-MAX_YAML_BYTES = 64 * 1024
-MAX_YAML_NODES = 10_000
-
-
-def _read_yaml(path: Path) -> Any:
-    """The YAML as plain containers, uninterpolated; a syntax error or a duplicate key names
-    the line."""
-    import yaml
-    from omegaconf.errors import GrammarParseError, OmegaConfBaseException
-
-    with open(path, "rb") as f:
-        text = f.read(MAX_YAML_BYTES + 1)  # at most this: the path may be a huge file or a pipe
-    if len(text) > MAX_YAML_BYTES:
-        raise ParamsError(f"{path}: larger than {MAX_YAML_BYTES // 1024} KiB, far more than any "
-                          f"params file; restore it (`git diff {path}` shows your edits)")
+def read_params(path: Path) -> Any:
+    """A params file's YAML as plain containers (stages/lib/strict_yaml.py), unchecked; its
+    problems are ParamsErrors."""
     try:
-        # Aliases share one node when composed, so the expanded size is counted before
-        # OmegaConf copies every one of them.
-        if _expanded_nodes(yaml.compose(text, Loader=yaml.SafeLoader), {}) > MAX_YAML_NODES:
-            raise ParamsError(f"{path}: expands to over {MAX_YAML_NODES} values through YAML "
-                              "aliases (*name); write the values out instead of nesting aliases")
-        return OmegaConf.to_container(OmegaConf.load(io.BytesIO(text)), resolve=False) or {}
-    except (yaml.YAMLError, OmegaConfBaseException) as e:
-        if isinstance(e, GrammarParseError):  # a broken `${`: refused naming its key, as any `${`
-            _refuse_interpolation(yaml.safe_load(text), path)
-        where = getattr(e, "problem_mark", None)
-        line = f"line {where.line + 1}: " if where else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ParamsError(f"{path}: {line}{what}; fix the YAML (`git diff {path}` shows your "
-                          "edits)") from None
-    except RecursionError:
-        raise ParamsError(f"{path}: nested too deeply (or an alias inside itself); fix the YAML "
-                          f"(`git diff {path}` shows your edits)") from None
-
-
-def _expanded_nodes(node: Any, seen: dict[int, int]) -> int:
-    """How many nodes the document has once every alias is copied out, counting each shared
-    node once (`seen`: its count, -1 while inside it: an alias of itself recurses)."""
-    import yaml
-
-    if seen.get(id(node)) == -1:
-        raise RecursionError
-    if id(node) not in seen:
-        seen[id(node)] = -1
-        children = node.value if isinstance(node, yaml.SequenceNode) else \
-            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else []
-        seen[id(node)] = 1 + sum(_expanded_nodes(c, seen) for c in children)
-    return seen[id(node)]
-
-
-def _refuse_interpolation(value: Any, path: Path, key: str = "") -> None:
-    """DVC hashes params.yaml's text, so a `${...}` (an environment variable, another key, a
-    resolver) or OmegaConf's missing-value `???` (which becomes the default) would let the
-    stages use a value DVC never recorded."""
-    items = value.items() if isinstance(value, dict) else \
-        enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        name = f"{key}[{k}]" if isinstance(value, list) else f"{key}.{k}" if key else str(k)
-        _refuse_interpolation(v, path, name)
-    if value == "???":
-        raise ParamsError(f"{path}: {key}='???' means a missing value to OmegaConf, which would "
-                          "use the default that DVC never recorded; write the value itself")
-    if isinstance(value, str) and "${" in value:
-        raise ParamsError(f"{path}: {key}={value!r}: interpolation (${{...}}) is not allowed, since "
-                          "DVC would record the text, not the value the stages use; write the "
-                          "value itself")
+        return read_yaml(path)
+    except YamlError as e:
+        raise ParamsError(str(e)) from None
 
 
 def flatten(params: Params | dict) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def eager_runner(model: Path, spec: dict):
     is checked against the architecture (name, shape, dtype) before any is read, and no more is
     read than the architecture needs."""
 
-    from stages.config import ModelConfig, _check
+    from stages.config import ModelConfig, check_schema
     from stages.models import fill, output_key, skeleton, weights_mismatch
 
     spec_path = model.with_name("model.json")
@@ -152,7 +152,7 @@ def eager_runner(model: Path, spec: dict):
     try:
         if not isinstance(params, dict):
             raise ParamsError("params.yaml: give the model section of params.yaml as an object")
-        _check(params, ModelConfig, "model.")  # types and unknown keys, as in params.yaml
+        check_schema(params, ModelConfig, "model.")  # types and unknown keys, as in params.yaml
         net = skeleton(ModelConfig(**params), spec["input_shape"][0], len(spec["classes"]))
     except ParamsError as e:
         raise DataError(f"{spec_path}: model_params={reprlib.repr(params)} is invalid: "

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from stages.config import MAX_YAML_BYTES, ParamsError, load_params
+from stages.config import ParamsError, load_params
+from stages.lib.strict_yaml import MAX_YAML_BYTES
 from tests.conftest import ROOT, copy_params, copy_repo, env_with, run, set_params
 from tests.training import fit, linear_model
 

@@ -35,8 +35,9 @@ from typing import Any
 
 from stages import tracking
 from stages.checkpoints import remove_run
-from stages.config import ParamsError, _read_yaml, check_params, load_params
+from stages.config import ParamsError, check_params, load_params, read_params, unknown_key
 from stages.lib.cli import ArgumentParser, UserError
+from stages.lib.strict_yaml import YamlError, read_yaml
 from stages.sweep.trial import PRUNERS, STORAGE_ENV, STUDY_ENV, TRIAL_ENV
 
 SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler"}
@@ -75,8 +76,8 @@ def load_sweep(path: Path, trials: int | None = None, params_file: Path = Path("
     if not path.exists():
         raise SweepError(f"{path}: not found (sweeps/lr.yaml is the example)")
     try:
-        raw = _read_yaml(path)
-    except ParamsError as e:
+        raw = read_yaml(path)
+    except YamlError as e:
         raise SweepError(str(e)) from None
     where = str(path)
     if not isinstance(raw, dict):
@@ -110,15 +111,10 @@ def load_sweep(path: Path, trials: int | None = None, params_file: Path = Path("
 
 
 def _known_keys(where: str, prefix: str, raw: dict, known: set[str], errors: list[str]) -> bool:
-    """Every unknown key, a line each; True when there was none."""
-    before = len(errors)
-    for key in raw:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {prefix + close[0]!r}?" if close else \
-                f"known keys: {', '.join(sorted(prefix + k for k in known))}"
-            errors.append(f"{where}: unknown key {prefix + str(key)!r}; {hint}")
-    return len(errors) == before
+    """Every unknown key, a line each (stages.config's own words); True when there was none."""
+    unknown = [unknown_key(where, str(key), sorted(known), prefix) for key in raw if key not in known]
+    errors += unknown
+    return not unknown
 
 
 def _objective(where: str, raw: Any, dvc_yaml: Path, errors: list[str]) -> dict:
@@ -197,7 +193,7 @@ def _space(where: str, space: Any, fixed: Any, params_file: Path, errors: list[s
     if not isinstance(fixed, dict):
         errors.append(f"{where}: params must map params.yaml keys to values")
         fixed = {}
-    base = _read_yaml(params_file)
+    base = read_params(params_file)
     good_fixed = {}
     for key, value in fixed.items():
         if _check_value(where, f"params.{key}", base, {}, key, value, errors):
