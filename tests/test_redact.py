@@ -82,13 +82,13 @@ def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
 
 
 def test_the_server_and_the_sweep_mask_with_the_one_owner():
-    from stages import sweep
+    from stages.sweep.study import shown
     from stages.team import server
 
     for text, want in FORMS.items():
-        assert server.masked(text) == want and sweep.shown(text) == want
+        assert server.masked(text) == want and shown(text) == want
     for uri, want in RAW.items():
-        assert sweep.shown(uri) == want and server.masked_uri(uri) == want
+        assert shown(uri) == want and server.masked_uri(uri) == want
 
 
 def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres):  # noqa: F811

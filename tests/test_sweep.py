@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages.sweep import SweepError, load_sweep
+from stages.sweep.spec import SweepError, load_sweep
 from tests.conftest import ROOT, copy_repo, env_with, run
 from tests.services import create_database, postgres  # noqa: F401
 from tests.slurm import slurm  # noqa: F401
 
 GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
 # Random points seeded per trial number: trials 0-2 GOOD, 3 BAD, 4-7 GOOD (seed 10; see
-# stages.sweep.sampler_for), so trials 0 and 1 train side by side, later ones repeat them, and
+# stages.sweep.study.sampler_for), so trials 0 and 1 train side by side, later ones repeat them, and
 # trial 3 starts once one of them is complete: the pruner has a curve to judge it by.
 TINY = f"""
 objective: {{file: models/train/metrics.json, metric: best_val_acc, direction: maximize}}
@@ -373,7 +373,7 @@ def test_the_trials_table_shows_the_objective_s_whole_name():
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from stages.sweep import summary
+    from stages.sweep.report import summary
 
     study = optuna.create_study(direction="minimize")
     for lr, loss in ((0.003, 0.0213), (0.03, 0.0871)):
@@ -400,7 +400,7 @@ def test_the_shipped_sweeps_rank_by_validation_loss():
 def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     """`dvc remote add -d --local` commits nothing (HEAD stays, earlier experiments stay in
     `make exps`), but git does not carry .dvc/config.local: the workers' clones get its URL."""
-    from stages.sweep import has_dvc_remote, shared_dvc_remote, use_dvc_remote
+    from stages.sweep.worker import has_dvc_remote, shared_dvc_remote, use_dvc_remote
 
     repo = tmp_path / "repo"
     run(["git", "init", "-q", str(repo)], tmp_path)

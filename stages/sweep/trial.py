@@ -1,4 +1,4 @@
-"""A training run that is one trial of an Optuna study (`make sweep`, stages/sweep/__init__.py): after each
+"""A training run that is one trial of an Optuna study (`make sweep`, stages/sweep/): after each
 epoch it reports its validation figure to the trial, and stops when the study's pruner says so.
 
 Outside a sweep (no REPROTRAIN_SWEEP_STUDY in the environment) `reporting` returns the loop's

@@ -1,0 +1,231 @@
+"""One worker, on any engine: its own clone of the remote at the sweep's commit, then waiting
+trials claimed one by one, each a `dvc exp run` whose experiment is pushed and whose objective
+goes to the study, while a heartbeat says the worker is alive."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stages import tracking
+from stages.checkpoints import remove_run
+from stages.config import load_params
+from stages.sweep.spec import SweepError, is_finite, warnings_quiet
+from stages.sweep.study import reach_storage, sampler_for, shown, storage_uri, suggest
+from stages.sweep.trial import STUDY_ENV, TRIAL_ENV
+
+
+def worker(study_name: str, workdir: Path, keep: bool = False) -> None:
+    """Claim waiting trials and run each as a DVC experiment, until none is waiting or running."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    uri = storage_uri(None, 1)
+    try:
+        plain = optuna.load_study(study_name=study_name, storage=reach_storage(uri))
+    except KeyError:
+        raise SweepError(f"no study {study_name!r} in {shown(uri)}") from None
+    spec, about = plain.user_attrs["sweep"], plain.user_attrs
+    storage = reach_storage(uri, spec)
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    study_id = storage.get_study_id_from_name(study_name)
+    me = f"{platform.node()}:{os.getpid()}"
+    clone = clone_at(about["remote"], about["commit"], workdir / study_name / me.replace(":", "-"))
+    dvc_remote = use_dvc_remote(clone, about.get("dvc_remote", ""))
+    print(f"worker {me}: {clone} at {about['commit'][:7]}", flush=True)
+    while (trial_id := claim(study, storage, study_id, spec["heartbeat_s"])) is not None:
+        with heartbeat(storage, trial_id, spec["heartbeat_s"]):
+            study.sampler = sampler_for(spec, storage.get_trial_number_from_id(trial_id))
+            trial = optuna.Trial(study, trial_id)
+            trial.set_user_attr("worker", me)
+            if os.environ.get("SLURM_ARRAY_JOB_ID"):  # what `scancel` takes
+                trial.set_user_attr("slurm_task", f"{os.environ['SLURM_ARRAY_JOB_ID']}_"
+                                                  f"{os.environ['SLURM_ARRAY_TASK_ID']}")
+            run_trial(study, storage, trial, clone, spec, about, dvc_remote)
+    if not keep:
+        shutil.rmtree(clone, ignore_errors=True)
+
+
+def claim(study, storage, study_id: int, wait_s: float) -> int | None:
+    """A waiting trial, now RUNNING for this worker alone (the database flips its state once);
+    None when none waits and none runs. While others run, wait: one of them may be a dead
+    worker's, failed and queued again once its heartbeat is older than the grace period."""
+    from optuna.exceptions import UpdateFinishedTrialError
+    from optuna.storages import fail_stale_trials
+    from optuna.trial import TrialState
+
+    while True:
+        with warnings_quiet():
+            fail_stale_trials(study)
+        for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+            with contextlib.suppress(UpdateFinishedTrialError):
+                if storage.set_trial_state_values(trial_id, TrialState.RUNNING):
+                    return trial_id
+        if not study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+            return None
+        time.sleep(wait_s)
+
+
+@contextlib.contextmanager
+def heartbeat(storage, trial_id: int, every_s: float):
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a missed beat is late, not fatal
+                storage.record_heartbeat(trial_id)
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_remote: bool) -> None:
+    """One trial: a DVC experiment up to the objective's stage, pushed, its objective told."""
+    from optuna.trial import TrialState
+
+    values = suggest(trial, spec["space"])
+    name = f"{study.study_name}-{trial.number}"
+    trial.set_user_attr("dvc_exp", name)
+    reset(clone, about["commit"])
+    sets = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in {**spec["params"], **values}.items()]
+    argv = [dvc(), "exp", "run", *(["--pull"] if dvc_remote else []), "-n", name,
+            *[a for s in sets for a in ("-S", s)], spec["objective"]["stage"]]
+    env = {**os.environ, STUDY_ENV: study.study_name, TRIAL_ENV: str(trial.number),
+           tracking.PARENT_RUN_ENV: about.get("mlflow_parent_run") or ""}
+    print(f"trial {trial.number}: {' '.join(argv[1:])}", flush=True)
+    t0 = time.perf_counter()
+    out = logged(argv, clone, env)
+    trial.set_user_attr("run_s", round(time.perf_counter() - t0, 1))
+    if out.returncode != 0:
+        # The train stage exits trial.PRUNED_EXIT, which DVC does not pass on: the stage
+        # marks the trial instead.
+        attrs = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(
+            storage.get_study_id_from_name(study.study_name), trial.number)).user_attrs
+        if "pruned_at_epoch" in attrs:
+            study.tell(trial, state=TrialState.PRUNED)
+            return
+        trial.set_user_attr("fail_reason", last_error(out.stdout))
+        study.tell(trial, state=TrialState.FAIL)
+        return
+    # "Running stage 'train'" only when it trained: a run-cache restore prints "is cached".
+    trial.set_user_attr("retrained", "Running stage 'train'" in out.stdout)
+    pushed = logged([dvc(), "exp", "push", *([] if dvc_remote else ["--no-cache"]), "origin", name],
+                    clone, env)
+    shared = logged([sys.executable, "-m", "stages.team.share"], clone, env) if dvc_remote else pushed
+    obj = spec["objective"]
+    value = json.loads((clone / obj["file"]).read_text()).get(obj["metric"])
+    if pushed.returncode or shared.returncode:
+        why = "push: " + last_error(pushed.stdout + shared.stdout)
+    elif not is_finite(value, float):
+        why = f"{obj['file']} has {obj['metric']}={value!r}, not a finite number"
+    else:
+        study.tell(trial, float(value))
+        return
+    trial.set_user_attr("fail_reason", why)
+    study.tell(trial, state=TrialState.FAIL)
+
+
+def reset(clone: Path, commit: str) -> None:
+    """Each trial starts from the commit. A pruned trial leaves the lock entry of the trial
+    before it, whose outputs DVC removed: a later trial of that point would find the stage
+    "unchanged" and pull the cached outputs alone, without metrics.json. And its checkpoint,
+    which a later trial of its point would resume into the pruned trial's MLflow run."""
+    for name in ("params.yaml", "dvc.lock"):  # deleted: git restores them whatever its index says
+        (clone / name).unlink(missing_ok=True)
+    subprocess.run(["git", "-C", str(clone), "reset", "-q", "--hard", commit], check=True)
+    # Only run folders this clone wrote: train.checkpoint_dir may be a folder others share.
+    root = clone / load_params(clone / "params.yaml").train.checkpoint_dir
+    for run_dir in root.iterdir() if root.is_dir() else ():
+        remove_run(run_dir, clone.resolve())
+
+
+def logged(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    """Run it, its output to this worker's log (stdout) as it comes, and kept for reading."""
+    env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        lines.append(line)
+    sys.stdout.flush()
+    return subprocess.CompletedProcess(argv, proc.wait(), "".join(lines))
+
+
+def last_error(output: str) -> str:
+    """The cause: a stage's own one-line `error: ...` before DVC's `ERROR: failed to reproduce`."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    ours = [ln for ln in lines if ln.startswith(("error:", "fatal:"))]
+    theirs = [ln for ln in lines if ln.startswith("ERROR")]
+    return (ours or theirs or lines or ["no output"])[-1][:300]
+
+
+def dvc() -> str:
+    return str(Path(sys.executable).parent / "dvc")
+
+
+def clone_at(remote: str, commit: str, folder: Path) -> Path:
+    """A clone of the remote at the sweep's commit: this worker's own workspace."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    git = ["git", "-C", str(folder)]
+    for argv in (["git", "clone", "-q", remote, str(folder)], [*git, "checkout", "-q", commit]):
+        p = subprocess.run(argv, capture_output=True, text=True)
+        if p.returncode:
+            raise SweepError(f"{' '.join(argv[:3])}: {last_error(p.stderr)}")
+    # `dvc exp run` commits: a container or a fresh node may have no git identity.
+    if subprocess.run([*git, "config", "user.email"], capture_output=True).returncode:
+        subprocess.run([*git, "config", "user.name", "reprotrain sweep"], check=True)
+        subprocess.run([*git, "config", "user.email", "sweep@localhost"], check=True)
+    return folder
+
+
+def shared_dvc_remote(repo: Path) -> str:
+    """The URL of the workspace's default DVC remote, for clones that lack it: one added with
+    `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
+    committing .dvc/config would move HEAD, so earlier experiments leave `make exps`). "" when
+    there is none, or when its URL holds a password (the study's attributes are no place for it)."""
+    import urllib.parse
+
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        name = r.config["core"].get("remote")
+        url = r.config["remote"].get(name, {}).get("url", "") if name else ""
+    if urllib.parse.urlsplit(url).password:
+        print(f"warning: the DVC remote {name!r} has a password in its URL, so workers get no "
+              "DVC remote from here; commit a remote without it", file=sys.stderr)
+        return ""
+    return url
+
+
+def use_dvc_remote(clone: Path, url: str) -> bool:
+    """The clone's own default DVC remote, or else the coordinator's (`url`), as a local one."""
+    if has_dvc_remote(clone):
+        return True
+    if url:
+        subprocess.run([dvc(), "remote", "add", "-q", "-d", "--local", "sweep", url], cwd=clone,
+                       check=True, capture_output=True)
+    return bool(url)
+
+
+def has_dvc_remote(clone: Path) -> bool:
+    p = subprocess.run([dvc(), "remote", "default"], cwd=clone, capture_output=True, text=True)
+    return p.returncode == 0 and bool(p.stdout.strip())
