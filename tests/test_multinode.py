@@ -44,8 +44,8 @@ def workspace(folder: Path, digits, epochs: int) -> Path:
 
 
 def readme_command() -> str:
-    """README's "Several machines" command, less its example HEAD= ADDR= line."""
-    text = (ROOT / "README.md").read_text().split("**Several machines**", 1)[1]
+    """docs/multinode.md's "Several machines" command, less its example HEAD= ADDR= line."""
+    text = (ROOT / "docs/multinode.md").read_text().split("**Several machines**", 1)[1]
     block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     first, command = block.split("\n", 1)
     assert first.startswith("HEAD=") and "ADDR=" in first
@@ -53,7 +53,7 @@ def readme_command() -> str:
 
 
 def torchrun(node: Node, head: Node, port: int, rdzv_id: str) -> list[str]:
-    """README's command as typed on `node`, on a port and rendezvous id of the test's own."""
+    """The command as typed on `node`, on a port and rendezvous id of the test's own."""
     command = readme_command().replace(":29500", f":{port}").replace("train1", rdzv_id)
     # exec: the process the test starts (and kills) is torchrun's agent itself
     argv = ["bash", "-c", f"HEAD={head.addr} ADDR={node.addr}\nexec {command}"]
