@@ -136,35 +136,21 @@ def test_each_registry_holds_exactly_the_choices_the_config_accepts(tmp_path):
         load_params(write(tmp_path, "model:\n  arch: vit\n"))
 
 
-<<<<<<< HEAD
-def test_the_readme_names_no_choice_that_is_gone():
-    """README may name some models and sources or none (their registries own the lists: adding
-    one touches no other file), but none that is not registered. It names every schedule."""
+def test_the_params_doc_names_no_choice_that_is_gone():
+    """docs/params.md may name some models and sources or none (their registries own the lists:
+    adding one touches no other file), but none that is not registered. It names every schedule."""
     import re
 
     from stages import config
 
     rows = {line.split("|")[1].strip(" `"): line.split("|")[3]
-            for line in (ROOT / "README.md").read_text().splitlines()
+            for line in (ROOT / "docs/params.md").read_text().splitlines()
             if line.startswith("| `") and line.count("|") >= 4}
     for key, choices in (("model.arch", config.ARCHS), ("data.source", config.SOURCES)):
         gone = set(re.findall(r"`(\w+)`", rows.get(key, ""))) - set(choices)
-        assert not gone, f"README's row for {key} names {sorted(gone)}, not registered"
+        assert not gone, f"docs/params.md's row for {key} names {sorted(gone)}, not registered"
     missing = [c for c in config.SCHEDULES if f"`{c}`" not in rows["train.schedule"]]
-    assert not missing, f"README's row for train.schedule does not name {missing}"
-=======
-def test_the_readme_names_every_registered_choice():
-    """A new model, source or schedule shows in docs/params.md's parameter table, or this fails."""
-    from stages import config
-
-    readme = (ROOT / "docs/params.md").read_text()
-    for key, choices in (("model.arch", config.ARCHS), ("data.source", config.SOURCES),
-                         ("train.schedule", config.SCHEDULES)):
-        row = next(line for line in readme.splitlines() if line.startswith(f"| `{key}` |"))
-        explained = row.split("|")[3]
-        missing = [c for c in choices if f"`{c}`" not in explained]
-        assert not missing, f"docs/params.md's row for {key} does not name {missing}"
->>>>>>> 9703cb4 (README: a 234-line how-to; the detail lives in docs/)
+    assert not missing, f"docs/params.md's row for train.schedule does not name {missing}"
 
 
 def test_defaults_agree_in_the_schema_params_yaml_and_the_readme(tmp_path):
