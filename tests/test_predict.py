@@ -81,7 +81,7 @@ def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri, tmp_path):
     import mlflow
     import torch
 
-    from stages.tracking import _register
+    from stages.tracking.tracker import register_version
 
     mlflow.set_tracking_uri(mlflow_uri)
     client = mlflow.MlflowClient()
@@ -92,7 +92,7 @@ def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri, tmp_path):
             info = mlflow.pytorch.log_model(torch.nn.Linear(2, 2), name="model",
                                             input_example=torch.zeros(2, 2).numpy(),
                                             pip_requirements=["torch"])
-        versions.append(_register(info.model_uri, "registry-test", accuracy))
+        versions.append(register_version(info.model_uri, "registry-test", accuracy))
         aliases = {a: int(client.get_model_version_by_alias("registry-test", a).version)
                    for a in ("candidate", "champion")}
         versions[-1]["aliases"] = aliases

@@ -587,7 +587,7 @@ def sync_process(server: MlflowServer, w: Path, call: str, ready: Path, go: Path
                  **env: str) -> subprocess.Popen:
     """A process that imports what sync needs, says it is `ready`, and at `go` runs `call`:
     two of them reach the server at the same moment."""
-    code = ("import os, sys, time\nimport mlflow, stages.tracking.sync, stages.tracking\n"
+    code = ("import os, sys, time\nimport mlflow, stages.tracking.sync, stages.tracking.spool\n"
             "open(sys.argv[1], 'w').close()\n"
             "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.005)\n" + call)
     return subprocess.Popen([sys.executable, "-c", code, str(ready), str(go)], cwd=w, text=True,
@@ -596,7 +596,7 @@ def sync_process(server: MlflowServer, w: Path, call: str, ready: Path, go: Path
 
 
 CALLS = {"make sync": "stages.tracking.sync.main([])",
-         "a stage's replay": "stages.tracking.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
+         "a stage's replay": "stages.tracking.spool.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
 
 
 @pytest.mark.slow

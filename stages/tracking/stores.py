@@ -1,16 +1,20 @@
-"""Where runs go besides the configured store: the tracking server's address, and the spool a
-stage logs to while the server does not answer (an embedded store of its own, not a DVC output,
-git-ignored), which `make sync` replays. Shared by tracking, which spools, and sync, which
-replays; imports no MLflow.
+"""Which store a run goes to: the configured one (`tracking_uri`), or the spool a stage logs to
+while the server does not answer (an embedded store of its own, not a DVC output, git-ignored),
+which `make sync` replays. Whether a server answers and whether a failure is its outage (then
+FAILING), errors in one line, the lock under which a sqlite store is created. Shared by the
+tracker and the spool, which log, and sync, which replays; imports no MLflow.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from stages.config import repo_root
+from stages.config import MlflowConfig, repo_root
 
 # A server that does not answer, or answers 5xx, should cost seconds, not MLflow's default
 # minutes of retries: one retry (a proxy's or a restarting server's blip), then the spool.
@@ -24,6 +28,42 @@ SYNCED = "reprotrain.synced"  # a spooled run already sent whole (to <server>@<e
 # failed at the registration); sync registers that one rather than uploading it again.
 SERVER_MODEL = "reprotrain.server_model_id"
 PROBE_S = 2.0
+# Servers this process saw fail (5xx, a hang): every later run of the process goes straight to
+# the spool, rather than waiting out MLflow's timeout and retries once more.
+FAILING: set[str] = set()
+
+
+def tracking_uri(cfg: MlflowConfig) -> str:
+    # timeout: how long sqlite waits on a lock held by another process (queued experiments,
+    # parallel stages) before "database is locked"; its default is 5 s.
+    uri = (os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri
+           or f"sqlite:///{repo_root() / 'mlflow.db'}?timeout=60")
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https") and parts.password is not None:
+        # http://user:password@host would land in run.json and the runs' tags: MLflow takes the
+        # same login from these two variables.
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(parts.username or ""))
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(parts.password))
+        uri = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return uri
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One process at a time creates a sqlite store (its migrations) and the experiment."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///").split("?")[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def spool_file() -> Path:
