@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, ParamsError
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.lib.files import digest_path, save_torch_verified, verify_digest, write_json
 
 # Everything a run folder ever holds: checkpoints, their checksums, the ownership record, and

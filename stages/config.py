@@ -24,7 +24,8 @@ from typing import Any, Union
 
 from omegaconf import OmegaConf
 
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
+from stages.lib.paths import repo_root
 from stages.lib.strict_yaml import YamlError, read_yaml, refuse_interpolation
 
 
@@ -391,8 +392,3 @@ def flatten(params: Params | dict) -> dict[str, Any]:
 def params_hash(values: dict[str, Any], *extra: str) -> str:
     blob = json.dumps(values, sort_keys=True, default=str) + "".join(extra)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def repo_root() -> Path:
-    """The real workspace: DVC sets DVC_ROOT to it, also for --temp/--queue runs in a copy."""
-    return Path(os.environ.get("DVC_ROOT") or Path.cwd()).resolve()

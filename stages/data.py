@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from stages.config import repo_root
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
+from stages.lib.paths import repo_root
 
 SPLITS = ("train", "val", "test")
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from stages.config import ParamsError, TrainConfig, batch_share
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 
 
 def requested_processes(cfg: TrainConfig, batch_size: int) -> int:

@@ -39,7 +39,7 @@ from stages.batches import (
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig
 from stages.data import Split, normalize
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.metrics import EPOCH, epoch_line
 from stages.optim import EMA, Schedule, build_optimizer
 from stages.runtime import (

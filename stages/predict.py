@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from stages.config import DataConfig, ParamsError
-from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.errors import UserError
 from stages.lib.images import DataError, decode_image, image_files
 
 MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")

@@ -23,19 +23,12 @@ from stages.checkpoints import (
     remove_run,
     tidy_other_runs,
 )
-from stages.config import (
-    PREPARED,
-    TRAIN_DIR,
-    Params,
-    ParamsError,
-    flatten,
-    load_params,
-    params_hash,
-    repo_root,
-)
+from stages.config import PREPARED, TRAIN_DIR, Params, ParamsError, flatten, load_params, params_hash
 from stages.data import load_meta, load_split
-from stages.lib.cli import STAGE_TIMES, UserError, run_stage
+from stages.lib.cli import STAGE_TIMES, run_stage
+from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
+from stages.lib.paths import repo_root
 from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params

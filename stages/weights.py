@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from stages.config import ModelConfig
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.lib.files import verified_writes, verify_digest
 from stages.models import fill, skeleton
 

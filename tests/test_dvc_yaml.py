@@ -19,8 +19,9 @@ from tests.conftest import ROOT, copy_repo, env_with, run
 # tests/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
 TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
 # Modules that change no output either: stages/__init__.py (the finder that names a moved
-# module's new place) and stages/lib/cli.py (exit codes, one-line errors, argparse helpers).
-NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli"}
+# module's new place), stages/lib/cli.py (exit codes, one-line errors, argparse helpers) and
+# stages/lib/errors.py (the error class they print).
+NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli", "stages.lib.errors"}
 
 
 def team(module: str) -> bool:
@@ -66,7 +67,9 @@ def test_the_cli_module_changes_no_output():
                                      if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "argparse", "atexit", "json", "os", "select", "signal",
                         "subprocess", "sys", "threading", "time", "typing", "collections.abc",
-                        "contextlib", "pathlib", "stages.lib.files"}, imported
+                        "contextlib", "pathlib", "stages.lib.errors", "stages.lib.files"}, imported
+    errors = ast.parse((ROOT / "stages/lib/errors.py").read_text())
+    assert not [n for n in ast.walk(errors) if isinstance(n, ast.Import | ast.ImportFrom)]
 
 
 def test_a_training_only_change_never_reruns_prepare():

@@ -50,7 +50,7 @@ def test_a_params_file_caught_mid_write_is_not_taken_for_a_change(tmp_path):
     import threading
 
     from stages.config import load_params
-    from stages.lib.cli import UserError
+    from stages.lib.errors import UserError
     from stages.train import ParamsWatch, training_params
 
     path = copy_params(tmp_path)

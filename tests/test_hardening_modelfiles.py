@@ -66,7 +66,7 @@ def edit_json(path, **changes):
 def refused(*argv) -> str:
     """predict run in this process (an interpreter start per case would cost seconds): the user
     error it ends with, which run_stage prints as its one `error:` line."""
-    from stages.lib.cli import UserError
+    from stages.lib.errors import UserError
     from stages.predict import main
 
     with pytest.raises(UserError) as e:

@@ -674,7 +674,7 @@ def command_lines() -> dict[int, bytes]:
 
 
 def test_no_champion_is_one_line_naming_the_fix(in_workspace):
-    from stages.lib.cli import UserError
+    from stages.lib.errors import UserError
 
     with pytest.raises(UserError, match="no champion of registered model 'nope' in .*make repro"):
         in_workspace(["--name", "nope"])

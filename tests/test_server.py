@@ -560,7 +560,7 @@ def test_a_port_in_use_is_one_plain_line():
     use (while attempting to bind on address ('127.0.0.1', N)))`."""
     import socket
 
-    from stages.lib.cli import UserError
+    from stages.lib.errors import UserError
     from stages.team.server import check_port
 
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.sweep import slurm as launcher
 from tests.slurm import slurm  # noqa: F401
 

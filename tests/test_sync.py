@@ -637,7 +637,7 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
 def test_the_sync_lock_is_never_followed_through_a_link_nor_skipped(tmp_path):
     """A link planted at the lock's name had its target truncated and overwritten, and a lock
     that could not be opened was skipped, so two syncs could double again (second pass)."""
-    from stages.lib.cli import UserError
+    from stages.lib.errors import UserError
     from stages.tracking import sync
 
     db, lock = tmp_path / "mlflow.db", tmp_path / "mlflow.db.sync-lock"

@@ -22,11 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-class UserError(Exception):
-    """A problem the user can fix: a stage prints its message, not a traceback, and exits 1."""
-
-
+from stages.lib.errors import UserError
 
 # Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.

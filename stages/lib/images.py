@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 
 # The image files read, by extension, and the one Pillow decoder each may use. Only these decode,
 # whatever a file's name or first bytes claim: Pillow's EPS decoder runs Ghostscript on the file

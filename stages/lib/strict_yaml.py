@@ -13,7 +13,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 
 # A params.yaml holds about a hundred values in under 2 KB: these bounds are far above any real
 # one and stop a file that would make every stage read gigabytes ("billion laughs" aliases).

@@ -26,7 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.errors import UserError
 from stages.serving.registry import champion_files, registered_name, save_served
 from stages.tracking.stores import plain_uri
 

@@ -23,7 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from stages.config import load_params
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 
 # Downloads of two small files need no progress bars in the output.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

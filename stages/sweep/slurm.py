@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 
 # A task in one of these states will not run again (squeue's and sacct's names).
 DONE = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import ParamsError, check_params, read_params, unknown_key
-from stages.lib.cli import UserError
+from stages.lib.errors import UserError
 from stages.lib.strict_yaml import YamlError, read_yaml
 from stages.sweep.trial import PRUNERS
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stages.config import load_params
-from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.errors import UserError
 from stages.lib.redact import masked, masked_uri
 from stages.team.ui import last_lines, private_folder, started
 from stages.tracking import reason

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 from ruamel.yaml import YAML
 
-from stages.lib.cli import UserError, run_stage
+from stages.lib.cli import run_stage
+from stages.lib.errors import UserError
 
 
 class ShareError(UserError):

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from stages.lib.cli import UserError, run_stage
+from stages.lib.cli import run_stage
+from stages.lib.errors import UserError
 
 
 class NotReproduced(UserError):

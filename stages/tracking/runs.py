@@ -20,9 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stages.config import MlflowConfig, repo_root
+from stages.config import MlflowConfig
 from stages.lib.cli import timed
 from stages.lib.files import file_hash, write_json
+from stages.lib.paths import repo_root
 from stages.tracking.names import EXPERIMENT_TAGS, VIEW, exp_name, git_commit, run_name
 from stages.tracking.spool import replay_spool
 from stages.tracking.stores import (
@@ -44,7 +45,8 @@ RUN_FILE = "run.json"
 # How a store answers for a run it does not hold: basic-auth answers 403, not 404, since it
 # checks the permission on the run's experiment before anything looks the run up.
 MISSING_RUN = ("RESOURCE_DOES_NOT_EXIST", "PERMISSION_DENIED")
-# A sweep's trials (stages/sweep/__init__.py) are children of the study's run: MLflow nests them under it.
+# A sweep's trials (stages/sweep/worker.py) are children of the study's run (opened by
+# stages/sweep/launch.py): MLflow nests them under it.
 PARENT_RUN_ENV = "REPROTRAIN_SWEEP_PARENT_RUN"
 
 

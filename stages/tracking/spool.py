@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 
-from stages.config import repo_root
+from stages.lib.paths import repo_root
 from stages.tracking.names import EXPERIMENT_TAGS, run_name
 from stages.tracking.stores import (
     FAILING,

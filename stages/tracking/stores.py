@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from stages.config import MlflowConfig, repo_root
+from stages.config import MlflowConfig
+from stages.lib.paths import repo_root
 
 # A server that does not answer, or answers 5xx, should cost seconds, not MLflow's default
 # minutes of retries: one retry (a proxy's or a restarting server's blip), then the spool.

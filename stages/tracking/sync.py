@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.lib.cli import ArgumentParser, UserError, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.errors import UserError
 from stages.tracking import stores
 
 # A progress bar per file, and MLflow's "View run" and "View experiment" lines for each run it

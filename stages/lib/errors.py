@@ -1,0 +1,7 @@
+"""The one error every module raises for a problem the user can fix: a stage prints its message,
+not a traceback, and exits 1 (stages/lib/cli.py's `run_stage`). Each owner subclasses it for its
+own kind (config.ParamsError, lib.images.DataError, checkpoints.CheckpointError, ...)."""
+
+
+class UserError(Exception):
+    """A problem the user can fix: the message names the file, key or value and says how."""
