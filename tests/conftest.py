@@ -168,7 +168,7 @@ def tiny_train_cfg():
     return TrainConfig(warmup_epochs=0.5, log_every=1000)
 
 
-# The fault tests' models (tests/workspaces.py has their other helpers).
+# The model-file and predict tests' models (tests/support/workspaces.py has their other helpers).
 @pytest.fixture
 def exported(tmp_path, digits):
     """What export writes, for a small real model: model.pt2, model.safetensors, model.json,
@@ -177,7 +177,7 @@ def exported(tmp_path, digits):
     from safetensors.torch import save_file
 
     from stages.export import export_program, export_pt2
-    from tests.training import cnn
+    from tests.support.training import cnn
 
     splits, meta = digits
     out = tmp_path / "export"
@@ -196,7 +196,7 @@ def exported(tmp_path, digits):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, digits, mlflow_uri):
     """A real tiny training run: models/train/ with its MLflow run."""
-    from tests.workspaces import workspace
+    from tests.support.workspaces import workspace
 
     w = workspace(tmp_path_factory.mktemp("trained"), digits, epochs="2")
     run([sys.executable, "-m", "stages.train"], w,
@@ -213,6 +213,102 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# The slow tier, in one place: the tests that run the real pipeline, a server or a chain
+# of processes for seconds ("*": the whole file). `pytest -m "not slow"` is the fast
+# tier (under 3 minutes on 2 cores); `make test` runs both.
+SLOW: dict[str, str | tuple[str, ...]] = {
+    "test_bench.py": (
+        "test_quick_bench_runs_every_row_and_writes_its_outputs",
+    ),
+    "test_checkpoints.py": (
+        "test_kill_during_a_checkpoint_write_loses_nothing",
+        "test_sigkill_then_rerun_resumes_to_identical_weights",
+    ),
+    "test_config.py": (
+        "test_bad_params_fail_before_any_work",
+        "test_the_advice_after_a_refused_exp_run_restores_params_yaml",
+        "test_values_that_would_fail_later_are_refused_before_the_data_loads",
+    ),
+    "test_cuda_path.py": (
+        "test_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_would",
+        "test_every_rank_takes_rank_0s_validation_figures_and_decisions",
+        "test_resume_across_a_change_of_resolved_precision_warns_and_goes_on",
+    ),
+    "test_data_names.py": (
+        "test_a_broken_symlink_dvc_fails_on_is_refused_naming_it",
+        "test_dvc_fails_on_such_a_name_without_naming_it_and_the_check_names_it",
+        "test_symlinked_folders_are_refused_exactly_where_dvc_does_not_hash",
+    ),
+    "test_distributed.py": (
+        "test_ddp_update_equals_the_single_process_global_batch",
+        "test_two_gloo_processes_train_the_stage_like_one",
+    ),
+    "test_export.py": (
+        "test_a_stage_over_an_immutable_output_keeps_all_its_previous_outputs",
+        "test_an_opset_the_exporter_cannot_write_fails_and_keeps_the_export",
+        "test_check_batch_sizes_beyond_the_test_split_fail_before_any_write",
+        "test_export_into_a_forbidden_folder_is_one_line_and_keeps_the_export",
+        "test_export_on_a_full_disk_is_one_line_and_keeps_the_export",
+        "test_export_over_an_immutable_file_keeps_the_whole_previous_export",
+        "test_export_past_the_file_size_limit_is_one_line_and_keeps_the_export",
+        "test_prepare_on_a_full_disk_is_one_line_and_keeps_the_data",
+        "test_prepare_over_an_immutable_file_keeps_the_previous_data",
+        "test_prepare_past_the_file_size_limit_is_one_line_and_keeps_the_data",
+        "test_the_onnx_file_has_the_opset_model_json_names",
+    ),
+    "test_first_hour.py": (
+        "test_predict_warns_on_digits_drawn_dark_on_light",
+        "test_the_suite_ignores_the_experiment_in_progress",
+        "test_the_way_back_to_main_works_where_main_was_never_built",
+    ),
+    "test_interrupts.py": (
+        "test_ctrl_c_in_prepare_is_one_line",
+        "test_ctrl_c_in_train_is_one_line_and_the_run_killed",
+        "test_params_changed_under_a_training_run_fail_it_naming_the_cause",
+    ),
+    "test_make.py": "*",
+    "test_model_files.py": (
+        "test_a_damaged_model_pt_fails_naming_it_and_logs_nothing",
+        "test_a_hostile_pt2_never_runs_its_code",
+        "test_a_pt2_zip_bomb_is_refused_without_inflating_it",
+    ),
+    "test_multinode.py": (
+        "test_a_killed_agent_fails_the_other_in_bounded_time_and_a_rerun_resumes",
+        "test_a_wrong_interface_fails_each_machine_in_one_line",
+        "test_two_agents_on_loopback_train_like_one_process",
+        "test_two_agents_on_two_addresses_train_like_one_process",
+    ),
+    "test_pipeline.py": "*",
+    "test_predict.py": (
+        "test_folder_of_images_trains_end_to_end_with_bad_files_reported",
+        "test_predict_names_a_bad_file_and_still_predicts_the_others",
+        "test_predict_reproduces_evaluate_accuracy",
+        "test_predict_runs_the_trained_model_pt_as_its_export_would",
+        "test_registry_moves_champion_only_on_better_accuracy",
+    ),
+    "test_redact.py": (
+        "test_a_sweep_never_shows_or_tags_its_storages_password",
+    ),
+    "test_serve.py": "*",
+    "test_server.py": "*",
+    "test_slurm.py": "*",
+    "test_sweep.py": "*",
+    "test_sync.py": "*",
+    "test_team_code_decides_no_output.py": "*",
+    "test_tracking.py": (
+        "test_a_failing_stage_leaves_dvc_lock_and_marks_the_run_failed",
+        "test_class_folders_named_with_any_character_are_evaluated_and_logged",
+        "test_sigterm_marks_the_run_killed",
+        "test_tracking_outage_never_stops_training",
+        "test_two_processes_log_to_one_new_sqlite_store_at_once",
+    ),
+    "test_ui.py": "*",
+    "test_workflows.py": (
+        "test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache",
+    ),
+}
+
+
 # `make test` runs modules longest first (it keeps this order with --no-loadscope-reorder), so
 # the two workers end together instead of one starting the 3-minute workflow test when the
 # other is nearly done. The seconds are the last run's, kept in pytest's cache; a first run
@@ -221,7 +317,12 @@ DURATIONS_KEY = "reprotrain/module_seconds"
 _seconds: dict[str, float] = {}
 
 
+@pytest.hookimpl(tryfirst=True)  # marked before `-m` selects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if names == "*" or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
     last = cache.get(DURATIONS_KEY, None) if cache else None
     if last:

@@ -16,8 +16,9 @@ from PIL import Image
 
 from stages.data import load_split
 from stages.lib.images import decode_image
-from tests.conftest import ROOT, copy_params, run, set_params
-from tests.images import CLASSES, EPS, FORMATS, draw, fake_ghostscript, make_folder, save
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
+from tests.support.image_files import CLASSES, EPS, FORMATS, draw, fake_ghostscript, make_folder, save
+from tests.support.workspaces import folder_workspace
 
 
 def prepare(tmp_path, check=True, env_extra=None, **params):
@@ -167,3 +168,22 @@ def test_mnist_files_put_in_place_by_hand_are_used(tmp_path):
     meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
     assert meta["sizes"] == {"train": 90, "val": 10, "test": 30}  # MNIST's own test split kept
     assert meta["classes"][0].startswith("0")
+
+
+def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):
+    from stages.lib.images import MAX_IMAGE_BYTES
+    from tests.support.image_files import make_folder
+
+    w = folder_workspace(tmp_path / "w")
+    make_folder(w / "raw", per_class=30, bad=False)
+    sparse = tmp_path / "disk.img"
+    with open(sparse, "wb") as f:
+        f.truncate(8 * 2**30)  # 8 GiB that take no disk: read whole, a MemoryError
+    assert sparse.stat().st_size > MAX_IMAGE_BYTES
+    (w / "raw/circle/huge.png").symlink_to(sparse)
+    p = run([sys.executable, "-m", "stages.prepare"], w, env=env_with(PYTHONPATH=str(ROOT)),
+            check=False)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "MemoryError" not in p.stderr
+    assert "skipped 1 unreadable files" in p.stderr
+    rejected = (w / "data/prepared/rejected.csv").read_text()
+    assert "huge.png" in rejected and "limit" in rejected

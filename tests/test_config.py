@@ -1,13 +1,26 @@
-"""params.yaml validation: bad input fails naming the key and the fix, before any work."""
+"""params.yaml validation: bad input fails naming the key and the fix, before any work.
+Also what would only fail late or split the stages from DVC: YAML errors and bombs,
+interpolation, values that fail later, out-of-range seeds and process counts, and the advice
+after a refused `dvc exp run -S`. Most are a real file given to a real stage process."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
 from stages.config import ARCHS, Params, ParamsError, flatten, load_params
-from tests.conftest import ROOT, committed, copy_params, set_params
+from stages.lib.strict_yaml import MAX_YAML_BYTES
+from tests.conftest import ROOT, committed, copy_params, copy_repo, env_with, run, set_params
+from tests.support.training import fit, linear_model
+from tests.support.workspaces import one_error_line
 
 
 def write(tmp_path, text: str):
@@ -207,3 +220,227 @@ raise SystemExit("run_stage returned: the stage did not exit")
     assert done.stderr.endswith("to stderr")
     assert (tmp_path / "thread.txt").read_text() == "written"
     assert (tmp_path / "atexit.txt").read_text() == "ran"
+
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True))
+
+
+def with_params(tmp_path, text: str | None = None, **values: str):
+    """A folder holding only params.yaml: the repo's, edited, or `text` itself."""
+    copy_params(tmp_path)
+    if text is not None:
+        (tmp_path / "params.yaml").write_text(text)
+    if values:
+        set_params(tmp_path / "params.yaml", values)
+    return tmp_path
+
+
+def refused(path, stage: str, expected: str, seconds: float = 30, **env: str) -> str:
+    """Run the stage for real; it must fail in one line naming `expected`, quickly, writing nothing."""
+    t = time.perf_counter()
+    # The timeout kills a stage that spins (an unbounded alias expansion ran for minutes).
+    p = run([sys.executable, "-m", f"stages.{stage}"], path,
+            env=env_with(PYTHONPATH=str(ROOT), **env), check=False, timeout=seconds)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: "), p.stderr
+    assert expected in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert sorted(f.name for f in path.iterdir()) == ["params.yaml"]  # no data, models, mlflow.db
+    assert time.perf_counter() - t < seconds
+    return p.stderr
+
+
+# ------------------------------------------------------------ YAML bombs
+
+
+def test_a_billion_laughs_params_yaml_fails_every_stage_within_seconds(tmp_path):
+    path = with_params(tmp_path, LAUGHS)
+    assert len(LAUGHS) < 2000  # the 1.9 KB file that expands to 9**9 values
+    for stage in ("prepare", "train"):  # every stage reads params.yaml through load_params
+        err = refused(path, stage, "params.yaml: expands to over", seconds=20)
+        assert "YAML aliases" in err
+
+
+@pytest.mark.parametrize("target", ["repro", "verify"])
+def test_make_refuses_a_billion_laughs_before_dvc_expands_it(tmp_path, target):
+    """DVC reads params.yaml whole before any stage runs and expands every alias (gigabytes,
+    minutes): `make repro` and `make verify` check it first. The timeout fails the test where
+    DVC gets the file."""
+    for name in ("Makefile", "requirements.lock", "dvc.yaml"):
+        shutil.copy2(ROOT / name, tmp_path / name)  # copy2: the venv's stamp stays the newer
+    run(["dvc", "init", "-q", "--no-scm"], tmp_path)
+    with_params(tmp_path, LAUGHS + (ROOT / "params.yaml").read_text())
+    t = time.perf_counter()
+    # timeout kills make's whole process group: a DVC that got the file would spin on.
+    p = run(["timeout", "-s", "KILL", "30", "make", "-s", target, f"VENV={sys.prefix}"], tmp_path,
+            check=False, env=env_with(PYTHONPATH=str(ROOT)))
+    words = [line for line in p.stderr.splitlines() if not line.startswith("make:")]
+    assert p.returncode != 0 and words, p.stderr
+    assert words[0].startswith("error: params.yaml: expands to over"), p.stderr
+    assert len(words) == 1 and time.perf_counter() - t < 30
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("seed: &s [*s]\n", "an alias inside itself"),  # a recursive alias
+    ("seed: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested too deeply"),
+    ("#" * (MAX_YAML_BYTES + 1) + "\n", "larger than 64 KiB"),
+])
+def test_yaml_too_deep_recursive_or_too_large_is_refused(tmp_path, text, expected):
+    with pytest.raises(ParamsError, match=re.escape(expected)):
+        load_params(with_params(tmp_path, text) / "params.yaml")
+
+
+def test_aliases_within_bounds_still_load(tmp_path):
+    text = (ROOT / "params.yaml").read_text().replace("  accumulate: 1\n", "  accumulate: &one 1\n")
+    text = text.replace("  - 1\n  - 7\n", "  - *one\n  - 7\n")
+    assert load_params(with_params(tmp_path, text) / "params.yaml").export.check_batch_sizes == [1, 7]
+
+
+# ------------------------------------------------------------ interpolation
+
+
+def test_interpolated_epochs_never_train(tmp_path):
+    """`EP=3 dvc repro` would have trained 3 epochs under the key of the literal text."""
+    err = refused(with_params(tmp_path, epochs="${oc.decode:${oc.env:EP,1}}"), "train",
+                  "params.yaml: epochs='${oc.decode:${oc.env:EP,1}}': interpolation", EP="3")
+    assert "write the value itself" in err
+
+
+def test_an_environment_variable_never_reaches_mlflow(tmp_path):
+    err = refused(with_params(tmp_path, **{"mlflow.experiment": "x-${oc.env:SECRET}"}), "prepare",
+                  "mlflow.experiment='x-${oc.env:SECRET}'", SECRET="s3cr3t-value")
+    assert "s3cr3t-value" not in err
+
+
+@pytest.mark.parametrize("line, edited, expected", [
+    ("root: data/raw", "root: ${mlflow.experiment}", "data.root='${mlflow.experiment}'"),
+    ("root: data/raw", "root: '\\${escaped}'", "data.root="),
+    ("  - 7\n", "  - ${oc.env:B,7}\n", "export.check_batch_sizes[1]='${oc.env:B,7}'"),
+    ("experiment: reprotrain", "experiment: '???'", "mlflow.experiment='???'"),  # "the default"
+    ("width: 32", "width: ${oc.env:W", "model.width='${oc.env:W'"),  # unclosed: OmegaConf can't parse
+])
+def test_every_omegaconf_expression_is_refused_naming_the_key(tmp_path, line, edited, expected):
+    text = (ROOT / "params.yaml").read_text()
+    assert text.count(line) == 1
+    with pytest.raises(ParamsError, match=re.escape(expected)) as err:
+        load_params(with_params(tmp_path, text.replace(line, edited)) / "params.yaml")
+    assert "write the value itself" in str(err.value)
+
+
+# ------------------------------------------------------------ values that only failed late
+
+
+@pytest.mark.parametrize("seed, stage", [(2**32, "prepare"), (2**64, "train")])
+def test_a_seed_out_of_range_fails_naming_the_range(tmp_path, seed, stage):
+    refused(with_params(tmp_path, seed=str(seed)), stage, f"seed={seed} is invalid: must be in 0..4294967295")
+
+
+def test_the_largest_seed_works_in_every_consumer(tmp_path, digits):
+    # prepare: scikit-learn's split and numpy; the loop: torch's generators, the augmentation
+    # hash, the DataLoader's generator and its workers' numpy seeds.
+    run([sys.executable, "-m", "stages.prepare"], with_params(tmp_path, seed=str(2**32 - 1)),
+        env=env_with(PYTHONPATH=str(ROOT)))
+    assert (tmp_path / "data/prepared/meta.json").exists()
+    for loader in ("device", "dataloader"):
+        fit(linear_model(), digits, n=64, seed=2**32 - 1, loader=loader, num_workers=0,
+            augment_crop_pad=1, augment_hflip=True)
+
+
+def test_more_processes_than_cores_never_start(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    err = refused(with_params(tmp_path, batch_size="64000", **{"train.nproc_per_node": "1000"}),
+                  "train", "train.nproc_per_node=1000 is invalid")
+    assert f"{cores} CPU cores" in err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for 2 processes")
+def test_a_batch_that_does_not_split_among_the_processes_fails_before_launch(tmp_path):
+    err = refused(with_params(tmp_path, batch_size="63", **{"train.nproc_per_node": "2"}),
+                  "train", "batch_size=63 is invalid: must be a multiple of train.nproc_per_node=2")
+    assert "rank" not in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_processes_than_gpus_fail_before_launch(tmp_path):
+    gpus = torch.cuda.device_count()
+    if len(os.sched_getaffinity(0)) <= gpus:
+        pytest.skip("needs more cores than GPUs")
+    refused(with_params(tmp_path, batch_size=str(64 * (gpus + 1)),
+                      **{"train.nproc_per_node": str(gpus + 1)}),
+            "train", f"each process takes a GPU of its own and {gpus} are visible")
+
+
+# ------------------------------------------------------------ the advice after a refused -S
+
+
+def test_the_advice_after_a_refused_exp_run_restores_params_yaml(tmp_path):
+    """`fp32`-long values: DVC can leave git's index with the new file's stat and the old
+    content, so git sees params.yaml clean and `git checkout params.yaml` restored nothing.
+    Whether the index goes stale depends on DVC's timing; the advice must work either way."""
+    repo = copy_repo(tmp_path / "repo")
+    committed = run(["git", "show", "HEAD:params.yaml"], repo).stdout
+    p = run(["dvc", "exp", "run", "-S", "train.precision=fp12"], repo, check=False)
+    assert p.returncode != 0
+    assert "precision: fp12" in (repo / "params.yaml").read_text()
+    advice = re.search(r"run `([^`]+)` to restore", p.stdout + p.stderr)
+    assert advice, p.stdout + p.stderr
+    run(["bash", "-c", advice.group(1)], repo)  # exactly as printed
+    assert (repo / "params.yaml").read_text() == committed
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""
+    assert subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo).returncode == 0
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"lrr": None}, "unknown key 'lrr'; did you mean 'lr'"),
+    ({"epochs": "'ten'"}, "epochs='ten' must be int"),
+    ({"lr": "'1e-3'"}, "lr='1e-3' must be float, not str (remove the quotes)"),
+    ({"lr": "-0.1"}, "lr=-0.1 is invalid: must be > 0"),
+    ({"model.arch": "vgg99"}, "model.arch='vgg99' is invalid"),
+    ({"data.source": "imagenet"}, "data.source='imagenet' is invalid"),
+])
+def test_bad_params_fail_before_any_work(tmp_path, edit, expected):
+    copy_params(tmp_path)
+    if "lrr" in edit:
+        with open(tmp_path / "params.yaml", "a") as f:
+            f.write("lrr: 0.1\n")
+    else:
+        set_params(tmp_path / "params.yaml", edit)
+    for stage in ("prepare", "train"):
+        t = time.perf_counter()
+        p = run([sys.executable, "-m", f"stages.{stage}"], tmp_path,
+                env=env_with(PYTHONPATH=str(ROOT)), check=False)
+        assert p.returncode == 1 and expected in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+        assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()
+        assert time.perf_counter() - t < 60
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("lr: 0.1\nlr: 0.2\n", "params.yaml: line 2: found duplicate key lr"),
+    ("lr: [0.1\n", "params.yaml: line 2: expected ',' or ']'"),
+])
+def test_a_yaml_error_in_params_is_one_line_naming_the_line(tmp_path, text, expected):
+    (tmp_path / "params.yaml").write_text(text)
+    p = run([sys.executable, "-m", "stages.prepare"], tmp_path,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 1 and expected in one_error_line(p.stderr)
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"train.warmup_epochs": ".inf"}, "train.warmup_epochs=inf must be a finite number"),
+    ({"lr": ".inf"}, "lr=inf must be a finite number"),
+    ({"train.min_lr": ".nan"}, "train.min_lr=nan must be a finite number"),
+    ({"train.device": "cpu:abc"}, "train.device='cpu:abc' is invalid"),
+    ({"train.device": "mps"}, "MPS (Apple GPUs, macOS) is not available"),
+    ({"train.device": "cuda"}, "CUDA is not available on this machine"),
+])
+def test_values_that_would_fail_later_are_refused_before_the_data_loads(tmp_path, edit, expected):
+    if "cuda" in expected and torch.cuda.is_available() or \
+            "MPS" in expected and torch.backends.mps.is_available():
+        pytest.skip("the device exists here")
+    copy_params(tmp_path)
+    set_params(tmp_path / "params.yaml", edit)
+    # No data/prepared at all: the refusal must come first.
+    p = run([sys.executable, "-m", "stages.train"], tmp_path,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 1 and expected in one_error_line(p.stderr)

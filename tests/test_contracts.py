@@ -23,7 +23,7 @@ from stages.lib.files import atomic_write_all
 from stages.lib.images import DataError
 from stages.models import build_model, described, fill, output_key, skeleton, weights_mismatch
 from stages.sources import build_meta, content_hash
-from tests.images import make_folder
+from tests.support.image_files import make_folder
 
 CHANNELS, CLASSES, SIZE = 3, 7, 8
 

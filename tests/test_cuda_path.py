@@ -19,7 +19,7 @@ from stages.data import Split
 from stages.loop import Job, RunIO, train
 from stages.optim import EMA, build_optimizer
 from stages.runtime import predict
-from tests.training import (
+from tests.support.training import (
     CPU_FP32,
     InfGradOnce,
     cnn,
@@ -129,7 +129,7 @@ def test_deterministic_refuses_a_compile_mode_it_would_silently_turn_off():
     TrainConfig(compile=True, deterministic=True)
 
 
-# ------------------------------------------------------------ 2 and 4: two gloo processes
+# ------------------------------------------------------------ two gloo processes
 
 
 def _ddp_worker(rank: int, world: int, init: str, data: dict, ckpt_dir: str, resume_epoch: int,

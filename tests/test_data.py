@@ -11,7 +11,8 @@ import torch
 from stages.batches import augment, epoch_order
 from stages.data import SPLITS, load_split
 from stages.sources import stratified_split
-from tests.conftest import ROOT, copy_params, run, set_params
+from tests.conftest import ROOT, copy_params, env_with, run, set_params
+from tests.support.workspaces import one_error_line, workspace
 
 
 def _prepare(tmp_path, **params):
@@ -101,3 +102,12 @@ def test_the_dataset_record_names_where_the_raw_data_lives():
     assert raw_data("digits", "data/raw").name == "digits.csv.gz"
     assert raw_data("digits", "data/raw").is_file()  # inside scikit-learn, not data.root
     assert raw_data("folder", "data/raw") == (ROOT / "data/raw").resolve()
+
+
+def test_a_truncated_prepared_split_fails_naming_it(tmp_path, digits):
+    w = workspace(tmp_path / "w", digits)
+    split = w / "data/prepared/train.pt"
+    split.write_bytes(split.read_bytes()[:5000])
+    p = run([sys.executable, "-m", "stages.train"], w, env=env_with(PYTHONPATH=str(ROOT)),
+            check=False)
+    assert p.returncode == 1 and "data/prepared/train.pt: unreadable" in one_error_line(p.stderr)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
 import torch
 
 from stages.config import TrainConfig
 from stages.data import Split, save_prepared
 from stages.loop import Job, RunIO, train
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
-from tests.training import CPU_FP32, linear_model
+from tests.support.training import CPU_FP32, linear_model
 
 
 def _worker(rank: int, world: int, init: str, data: dict, out: str) -> None:
@@ -47,7 +46,6 @@ def test_ddp_update_equals_the_single_process_global_batch(digits, tmp_path):
                for k in single) > 1e-3
 
 
-@pytest.mark.slow
 def test_two_gloo_processes_train_the_stage_like_one(digits, tmp_path, mlflow_uri):
     """The real stage under torchrun, CNN with BatchNorm and dropout: per-rank BatchNorm
     statistics make it close, not equal. Stated tolerance: 0.03 in validation accuracy."""

@@ -7,7 +7,6 @@ import re
 import shutil
 import sys
 
-import pytest
 from PIL import Image
 
 from stages.data import load_split
@@ -35,7 +34,6 @@ def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
     assert copied.encode() == committed("params.yaml")
 
 
-@pytest.mark.slow
 def test_the_way_back_to_main_works_where_main_was_never_built(tmp_path):
     """README's way back, on a clone whose DVC cache never held main's models: only an
     experiment with other params ran here."""

@@ -15,7 +15,7 @@ from stages.config import TrainConfig
 from stages.optim import EMA, build_optimizer
 from stages.runtime import resolve_precision
 from tests.conftest import ROOT, copy_params
-from tests.training import (
+from tests.support.training import (
     InfGradOnce,
     cnn,
     fit,

@@ -16,7 +16,7 @@ from stages.loop import NonFiniteLossError
 from stages.metrics import EPOCH, HISTORY, EpochMetric, epoch_line
 from stages.optim import Schedule
 from stages.runtime import peak_mem_mb, proc_status_mb, reset_peak_mem
-from tests.training import cnn, fit, fit_ckpt, linear_model, max_diff, same_weights
+from tests.support.training import cnn, fit, fit_ckpt, linear_model, max_diff, same_weights
 
 
 @pytest.mark.parametrize("n", [64, 56])  # 56: the last accumulation window is short (4 + 3)

@@ -23,7 +23,7 @@ import pytest
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
-from tests.services import free_port
+from tests.support.services import free_port
 
 HEAD, OTHER = "10.77.0.1", "10.77.0.2"
 
@@ -177,7 +177,6 @@ def in_netns(ns: str, code: str) -> str:
 TOLERANCE = 0.03  # validation accuracy, as tests/test_distributed.py holds two processes to
 
 
-@pytest.mark.slow
 def test_two_agents_on_loopback_train_like_one_process(digits, tmp_path, mlflow_uri, one_process):
     # Two addresses of this machine's loopback (127.0.0.0/8 is all lo), so that only one hosts
     nodes = [Node(workspace(tmp_path / n, digits, epochs=4), f"127.0.0.{i}", None)
@@ -189,7 +188,6 @@ def test_two_agents_on_loopback_train_like_one_process(digits, tmp_path, mlflow_
     assert abs(metrics(nodes[0])["best_val_acc"] - one_process["best_val_acc"]) <= TOLERANCE
 
 
-@pytest.mark.slow
 def test_two_agents_on_two_addresses_train_like_one_process(digits, tmp_path, mlflow_uri,
                                                             one_process, two_machines):
     head_ns, other_ns = two_machines
@@ -236,7 +234,6 @@ def kill_the_other_agent(head: Node, other: Node, mlflow_uri: str) -> tuple[int,
     return agents[0].returncode, error_s, exited_s, "".join(line for _, line in seen)
 
 
-@pytest.mark.slow
 def test_a_killed_agent_fails_the_other_in_bounded_time_and_a_rerun_resumes(
         digits, tmp_path, mlflow_uri, two_machines):
     head_ns, other_ns = two_machines
@@ -260,7 +257,6 @@ def test_a_killed_agent_fails_the_other_in_bounded_time_and_a_rerun_resumes(
     assert metrics(head)["epochs_run"] == 8
 
 
-@pytest.mark.slow
 def test_a_wrong_interface_fails_each_machine_in_one_line(digits, tmp_path, mlflow_uri,
                                                                  two_machines):
     """GLOO_SOCKET_IFNAME naming an interface these machines lack (a typo, another machine's

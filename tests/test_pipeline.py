@@ -21,8 +21,6 @@ from tests.conftest import (
     wait_for_queue,
 )
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):

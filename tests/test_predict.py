@@ -1,18 +1,20 @@
-"""Bring your own data end to end: a folder of real images through `dvc exp run`, then the
-exported model used by `stages.predict`; and the model registry's aliases."""
+"""`stages.predict`: its arguments checked in one line, the trained model.pt run as its
+export would, names escaped in its text output. Bring your own data end to end: a folder of real
+images through `dvc exp run`, then the exported model used by predict; and the registry's aliases."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import copy_repo, env_with, run
-from tests.images import make_folder
-
-pytestmark = pytest.mark.slow
+from tests.conftest import ROOT, copy_repo, env_with, run
+from tests.support.image_files import make_folder
+from tests.support.workspaces import one_error_line, predict
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def shapes_repo(tmp_path_factory):
     return repo, p
 
 
-def predict(repo, *args):
+def predict_in(repo, *args):
     return run([sys.executable, "-m", "stages.predict", *args], repo, env=env_with(), check=False)
 
 
@@ -45,7 +47,7 @@ def test_folder_of_images_trains_end_to_end_with_bad_files_reported(shapes_repo)
 
 def test_predict_reproduces_evaluate_accuracy(shapes_repo):
     repo, _ = shapes_repo
-    p = predict(repo, "data/raw/shapes/test", "--json", "--top-k", "2")
+    p = predict_in(repo, "data/raw/shapes/test", "--json", "--top-k", "2")
     assert p.returncode == 0, p.stderr
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(rows) == 36
@@ -55,9 +57,9 @@ def test_predict_reproduces_evaluate_accuracy(shapes_repo):
     assert right / len(rows) == pytest.approx(evaluated)
     assert evaluated > 0.6  # 15 short epochs on 120 images: well above chance (0.33)
 
-    pt2 = predict(repo, "data/raw/shapes/test", "--json", "--model", "models/export/model.pt2")
+    pt2 = predict_in(repo, "data/raw/shapes/test", "--json", "--model", "models/export/model.pt2")
     assert [json.loads(x)["label"] for x in pt2.stdout.splitlines()] == [r["label"] for r in rows]
-    text = predict(repo, "data/raw/shapes/test", "--top-k", "2").stdout.splitlines()
+    text = predict_in(repo, "data/raw/shapes/test", "--top-k", "2").stdout.splitlines()
     assert [line.split("\t") for line in text] == [
         [r["path"], *(f for t in r["top_k"] for f in (t["label"], f"{t['p']:.4f}"))] for r in rows]
 
@@ -66,13 +68,13 @@ def test_predict_names_a_bad_file_and_still_predicts_the_others(shapes_repo):
     repo, _ = shapes_repo
     good = sorted((repo / "data/raw/shapes/test/square").iterdir())[:2]
     bad = repo / "data/raw/shapes/train/circle/truncated.png"
-    p = predict(repo, str(good[0]), str(bad), str(good[1]))
+    p = predict_in(repo, str(good[0]), str(bad), str(good[1]))
     assert p.returncode == 1
     lines = p.stdout.splitlines()
     assert [line.split("\t")[0] for line in lines] == [str(good[0]), str(good[1])]
     assert all(line.split("\t")[1] in ("circle", "square", "triangle") for line in lines)
     assert f"{bad}\terror:" in p.stderr
-    js = predict(repo, str(bad), str(good[0]), "--json")
+    js = predict_in(repo, str(bad), str(good[0]), "--json")
     out = [json.loads(x) for x in js.stdout.splitlines()]
     assert js.returncode == 1 and "error" in out[0] and out[1]["path"] == str(good[0])
 
@@ -99,3 +101,50 @@ def test_registry_moves_champion_only_on_better_accuracy(mlflow_uri, tmp_path):
     assert [v["champion"] for v in versions] == [True, False, True]
     assert versions[1]["aliases"] == {"candidate": 2, "champion": 1}
     assert versions[2]["aliases"] == {"candidate": 3, "champion": 3}
+
+
+def test_predict_validates_its_arguments_in_one_line(tmp_path, exported):
+    for args in (["--batch-size", "-1"], ["--batch-size", "0"], ["--top-k", "-1"],
+                 ["--top-k", "x"]):
+        p = predict(tmp_path, "img0.png", "--model", str(exported / "model.pt2"), *args)
+        assert p.returncode == 2 and args[0] in one_error_line(p.stderr), (args, p.stderr)
+        assert p.stdout == ""
+    (tmp_path / "model.ckpt").write_bytes(b"x")
+    p = predict(tmp_path, "img0.png", "--model", "model.ckpt")
+    assert p.returncode == 1 and "not a model predict runs" in one_error_line(p.stderr)
+    assert "missing" not in p.stderr
+    (tmp_path / "model.pt").write_bytes(b"x")  # not train's: no checksum beside it
+    p = predict(tmp_path, "img0.png", "--model", "model.pt")
+    assert p.returncode == 1 and "model.pt: checksum missing" in one_error_line(p.stderr)
+
+
+def test_predict_runs_the_trained_model_pt_as_its_export_would(trained, tmp_path):
+    """Before export: model.pt describes itself (stages/weights.py), so predict needs no
+    model.json; the labels are the model's own, evaluated in fp32 as evaluate does."""
+    from stages import weights
+
+    samples = sorted((ROOT / "data/samples").glob("*.png"))
+    p = predict(tmp_path, *map(str, samples), "--json", "--model",
+                str(trained / "models/train/model.pt"))
+    assert p.returncode == 0, p.stderr
+    got = [json.loads(line) for line in p.stdout.splitlines()]
+    net, stored = weights.load(trained / "models/train/model.pt")
+    from stages.predict import decode_image, model_input
+
+    x = model_input([decode_image(f, 1, stored.image_size, stored.resize) for f in samples],
+                    {"mean": stored.mean, "std": stored.std})
+    want = net(torch.from_numpy(x)).softmax(1).max(1)
+    assert [g["label"] for g in got] == [stored.classes[i] for i in want.indices]
+    assert [g["confidence"] for g in got] == pytest.approx(want.values.tolist(), abs=1e-6)
+
+
+def test_predict_text_output_escapes_tabs_and_newlines_in_names(tmp_path, exported):
+    odd = tmp_path / "a\tb\nc.png"
+    shutil.copy(tmp_path / "img0.png", odd)
+    p = predict(tmp_path, str(odd), "img1.png", "--model", str(exported / "model.safetensors"))
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("\t") for line in p.stdout.splitlines()]
+    assert len(rows) == 2 and all(len(r) == 3 for r in rows)
+    assert rows[0][0] == str(odd).replace("\t", "\\t").replace("\n", "\\n")
+    js = predict(tmp_path, str(odd), "--json", "--model", str(exported / "model.safetensors"))
+    assert json.loads(js.stdout)["path"] == str(odd)

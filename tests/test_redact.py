@@ -7,7 +7,7 @@ import pytest
 
 from stages.lib.redact import holds_password, masked
 from tests.conftest import env_with
-from tests.services import create_database, postgres  # noqa: F401 - the fixture
+from tests.support.services import create_database, postgres  # noqa: F401 - the fixture
 
 SECRET = "S3cr3t-pw"
 FORMS = {

@@ -1,4 +1,5 @@
-"""Evaluation metrics: scikit-learn's definitions, without importing scikit-learn in the stage."""
+"""Evaluation metrics: scikit-learn's definitions, without importing scikit-learn in the
+stage, and a class the test split lacks named and left out."""
 
 from __future__ import annotations
 
@@ -32,3 +33,18 @@ def test_metrics_equal_scikit_learns_including_classes_never_predicted_or_absent
         assert got["support"] == s[i]
     assert summary["accuracy"] == pytest.approx(float(np.mean(true == pred)))
     assert summary["n"] == 300
+
+
+def test_a_class_absent_from_the_test_split_is_named_and_left_out_of_macro_f1(digits, capsys):
+    from stages.report import classification_metrics
+
+    splits, meta = digits
+    test = splits["test"]
+    keep = test.y != 9
+    y = test.y[keep]
+    logits = torch.nn.functional.one_hot(y, 10).float() * 10  # every prediction right
+    metrics, per_class = classification_metrics(logits, y, meta["classes"])
+    assert metrics["accuracy"] == 1.0 and metrics["macro_f1"] == 1.0  # not 0.9
+    assert per_class["9"]["support"] == 0
+    err = capsys.readouterr().err
+    assert "1 classes have no test images (9)" in err

@@ -38,15 +38,13 @@ from PIL import Image
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
-from tests.images import EPS, fake_ghostscript, many_scan_jpeg
-from tests.services import (
+from tests.support.image_files import EPS, fake_ghostscript, many_scan_jpeg
+from tests.support.services import (
     create_database,
     free_port,
     mlflow_server,
     postgres,  # noqa: F401 - the fixture
 )
-
-pytestmark = pytest.mark.slow
 
 NAME = "serve-test"
 SAMPLES = sorted((ROOT / "data/samples").glob("*.png"), key=lambda p: int(p.stem))

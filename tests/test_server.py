@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run, wait_for_queue
-from tests.services import (
+from tests.support.services import (
     create_and_log,
     create_database,
     logged_in_page,
@@ -261,7 +261,6 @@ def assert_nowhere(secret: str, path: Path, *texts: str) -> None:
         assert secret not in text
 
 
-@pytest.mark.slow
 def test_every_stage_logs_to_the_server_and_nothing_stays_local(server, tmp_path, monkeypatch):
     repo = copy_repo(tmp_path / "repo", {**TINY, "mlflow.experiment": "e2e",
                                          "export.register_as": "e2e"})
@@ -319,7 +318,6 @@ def test_every_stage_logs_to_the_server_and_nothing_stays_local(server, tmp_path
     assert_nowhere(server.password, repo, *texts)
 
 
-@pytest.mark.slow
 def test_two_clones_run_their_queues_at_once(server, tmp_path, monkeypatch):
     clones = [copy_repo(tmp_path / name, TINY) for name in ("alice", "bob")]
     env = server.client_env()
@@ -458,7 +456,7 @@ def test_the_server_lives_and_dies_with_its_command(postgres, tmp_path):  # noqa
 
     import psutil
 
-    from tests.services import free_port
+    from tests.support.services import free_port
 
     db = create_database(postgres, f"life_{secrets.token_hex(4)}")
     port, uri = free_port(), ""
@@ -521,7 +519,7 @@ def test_a_restart_names_a_member_who_took_a_name_and_a_deleted_experiment(postg
     import mlflow
     import mlflow.server
 
-    from tests.services import free_port
+    from tests.support.services import free_port
 
     db = create_database(postgres, f"squat_{secrets.token_hex(4)}")
     password, port = f"pw-{secrets.token_hex(8)}", free_port()

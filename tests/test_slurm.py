@@ -8,7 +8,7 @@ import pytest
 
 from stages.lib.errors import UserError
 from stages.sweep import slurm as launcher
-from tests.slurm import slurm  # noqa: F401
+from tests.support.slurm_cluster import slurm  # noqa: F401
 
 
 @pytest.fixture

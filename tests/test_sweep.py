@@ -16,8 +16,8 @@ from ruamel.yaml import YAML
 
 from stages.sweep.spec import SweepError, load_sweep
 from tests.conftest import ROOT, copy_repo, env_with, run
-from tests.services import create_database, postgres  # noqa: F401
-from tests.slurm import slurm  # noqa: F401
+from tests.support.services import create_database, postgres  # noqa: F401
+from tests.support.slurm_cluster import slurm  # noqa: F401
 
 GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
 # Random points seeded per trial number: trials 0-2 GOOD, 3 BAD, 4-7 GOOD (seed 10; see
@@ -164,7 +164,6 @@ def finish(coordinator: subprocess.Popen) -> str:
     return out
 
 
-@pytest.mark.slow
 def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp_path, postgres):  # noqa: F811
     repo = project(tmp_path, TINY)
     uri = create_database(postgres, "sweep")
@@ -245,7 +244,6 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
                      r"0 waiting; best best_val_acc 0\.\d{4} \(trial \d: lr=0.01\)", progress[-1])
 
 
-@pytest.mark.slow
 def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgres, slurm,  # noqa: F811
                                                                  monkeypatch):
     """The same workers as SLURM array tasks on a one-node cluster (munged, slurmctld, slurmd on
@@ -385,7 +383,6 @@ def test_the_trials_table_shows_the_objective_s_whole_name():
     assert "best_val_loss" in header.split(), header
     end = header.index("best_val_loss") + len("best_val_loss")
     assert [row[:end].rstrip()[-6:] for row in rows] == ["0.0213", "0.0871"], (header, rows)
-
 
 
 def test_the_shipped_sweeps_rank_by_validation_loss():

@@ -24,13 +24,13 @@ import pytest
 
 from stages.data import save_prepared
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
-from tests.services import (
+from tests.support.services import (
     MlflowServer,
     create_database,
     free_port,
     postgres,  # noqa: F401 - the fixture
 )
-from tests.services import mlflow_server as team_server
+from tests.support.services import mlflow_server as team_server
 
 
 def workspace(path: Path, digits, **params) -> Path:
@@ -135,7 +135,6 @@ def wait_for_epoch(proc: subprocess.Popen, w: Path, epoch: int) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
 def test_server_killed_mid_training_loses_nothing_once_it_is_back(tmp_path, digits, server_db):
     """The server SIGKILLed after the first epoch and started again: train exits 0 with the
     outputs of an undisturbed run and says so in one line; the next stage replays the spool,
@@ -191,7 +190,6 @@ def test_server_killed_mid_training_loses_nothing_once_it_is_back(tmp_path, digi
     print(f"stage went on {after_kill_s:.1f}s after the kill")
 
 
-@pytest.mark.slow
 def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, digits, server_db):
     """No server at all for train, evaluate and export: each is bounded in time, says so in
     one line and spools; `sync` killed halfway, run again and a third time lands the run, its
@@ -261,7 +259,6 @@ def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, di
         assert mlflow.models.Model.load(Path(local) / "MLmodel").model_id == model.model_id
 
 
-@pytest.mark.slow
 def test_sync_from_moves_a_workspaces_own_runs_up_once(tmp_path, digits, server_db):
     """A week offline in miniature: two trainings and a registered, aliased model in the
     workspace's embedded mlflow.db; `sync --from` (make sync FROM=...) moves them all onto the
@@ -328,7 +325,7 @@ def test_sync_to_a_server_that_does_not_answer_is_one_line(tmp_path):
         p.stderr.strip()] and "does not answer" in p.stderr, p.stderr
 
 
-# ------------------------------------------------- issue 30: the team server failing, not down
+# ------------------------------------------------- the team server failing, not down
 # Against the team's server as `make server` runs it: logins, on PostgreSQL.
 
 
@@ -468,7 +465,6 @@ def server_runs(client, experiment: str) -> list:
 FAILURES = ["502 from a proxy", "database stopped", "API hangs", "502 mid-run"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("failure", FAILURES)
 def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, admin, tmp_path,
                                                                digits):
@@ -517,7 +513,6 @@ def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, a
     assert_history_once(admin, r.info.run_id, w)
 
 
-@pytest.mark.slow
 def test_a_registration_the_server_fails_lands_once_with_its_model(team, admin, tmp_path, digits):
     """Export logs its model on the server, then the server fails only the registration (503
     on registered-models/create): the version goes to the spool, with the model (the spool
@@ -599,7 +594,6 @@ CALLS = {"make sync": "stages.tracking.sync.main([])",
          "a stage's replay": "stages.tracking.spool.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("second", list(CALLS))
 def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, empty_db,
                                                           tmp_path):

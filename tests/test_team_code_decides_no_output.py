@@ -15,14 +15,12 @@ import pytest
 import yaml
 
 from tests.conftest import copy_repo, env_with, run
-from tests.services import (
+from tests.support.services import (
     create_database,
     mlflow_server,
     postgres,  # noqa: F401 - the fixture
 )
-from tests.workspaces import closed_port
-
-pytestmark = pytest.mark.slow
+from tests.support.workspaces import closed_port
 
 # One epoch of a narrow CNN; steps logged every 5 so tracking has something to send (or spool)
 # during the loop, not only at its ends.

@@ -1,4 +1,5 @@
-"""`make ui` for real: a local MLflow UI on a store of this session, as a user starts it."""
+"""`make ui` for real: a local MLflow UI on a store of this session, as a user starts it,
+bound to loopback."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT, env_with
-from tests.services import free_port
+from tests.support.services import free_port
+from tests.support.workspaces import closed_port
 
 
 def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_uri):
@@ -118,3 +122,47 @@ def test_a_store_s_password_is_on_no_command_line_and_in_no_message(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
+    """Also: its last line is the runs table's address, printed once the server answers, and
+    SIGTERM to make ends every server process."""
+    import psutil
+
+    port = closed_port()
+    proc = subprocess.Popen(["make", "-s", "ui", f"UI_PORT={port}"], cwd=ROOT, env=env_with(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # make ends only when killed: the loop ends at the address
+            lines.append(line.rstrip())
+            if line.startswith(f"http://127.0.0.1:{port}"):
+                break
+        assert lines and lines[-1].startswith(f"http://127.0.0.1:{port}/#/experiments/"
+                                              ) or "no experiment" in lines[-1], lines
+        assert "workflowType=machine_learning" in lines[-1] or "no experiment" in lines[-1]
+        assert not any("Warning" in line for line in lines), lines
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            assert r.status == 200  # already answering when the address was printed
+        bound = {c.laddr.ip for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert bound == {"127.0.0.1"}
+        api = f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1"
+        with urllib.request.urlopen(api, timeout=10) as r:
+            assert r.status == 200
+        req = urllib.request.Request(api, headers={"Host": "evil.example.com"})  # DNS rebinding
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 403
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+              for c in psutil.net_connections("tcp")):
+        assert time.time() < deadline, "the UI server outlived make ui"
+        time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if str(port) in " ".join(p.info["cmdline"] or []) and "mlflow" in
+                " ".join(p.info["cmdline"] or [])]

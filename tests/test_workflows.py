@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from ruamel.yaml import YAML
 
 from tests.conftest import ROOT, VENV_BIN, copy_repo, run, set_params
@@ -91,7 +90,6 @@ def run_job(job: dict, workdir: Path, context: dict[str, str], path: str) -> tup
     return files["GITHUB_STEP_SUMMARY"].read_text(), steps
 
 
-@pytest.mark.slow
 def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache(tmp_path):
     # The user's repo: main with a DVC remote (a local folder here), and a PR that changes lr.
     base = copy_repo(tmp_path / "base", {"epochs": "3"})  # the workflow, not the model, is tested

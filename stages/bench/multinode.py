@@ -2,7 +2,7 @@
 real stage on loopback and in two network namespaces (alternating, ROUNDS each), then one agent
 SIGKILLed. Root only (network namespaces).
 
-    .venv/bin/python -m tests.multinode_figures [ROUNDS]
+    .venv/bin/python -m stages.bench.multinode [ROUNDS]
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import free_port
+from tests.support.services import free_port
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo")
 

@@ -1,4 +1,4 @@
-"""Small real training runs the loop and fault tests share: the real loop on the real digits."""
+"""Small real training runs the loop, checkpoint and model tests share: the real loop on the real digits."""
 
 from __future__ import annotations
 

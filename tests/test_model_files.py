@@ -1,10 +1,13 @@
-"""predict's model files, bounded: each hostile or broken file is crafted for real from a real
-export (a zip bomb, a graph that loops for ever, a forged model.json or checkpoint) and must end
-in one line naming the file, quickly and without reading or allocating what the file claims."""
+"""Hostile and damaged model files: a malicious pickle, a hostile .pt2 or ONNX, a
+zip bomb, a graph that loops for ever, a forged model.json or checkpoint, a damaged model.pt. Each
+is crafted for real from a real export and must end in one line naming the file, quickly, without
+running its code or reading or allocating what the file claims."""
 
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -13,12 +16,147 @@ import zipfile
 import pytest
 import torch
 
+from stages.checkpoints import latest_checkpoint
 from stages.config import ModelConfig, ParamsError
+from stages.data import save_prepared
 from stages.lib.files import save_torch_verified
 from stages.weights import CheckpointRefused, load
-from tests.conftest import ROOT, env_with, run
-from tests.training import cnn
-from tests.workspaces import one_error_line, predict, rewrite_zip
+from tests.conftest import ROOT, copy_params, env_with, run
+from tests.support.training import cnn, fit_ckpt, linear_model
+from tests.support.workspaces import (
+    files_sha,
+    one_error_line,
+    predict,
+    rewrite_zip,
+)
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))  # would create the marker file when unpickled
+
+
+def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path, digits):
+    marker = tmp_path / "pwned"
+    work = tmp_path / "work"
+    work.mkdir()
+    copy_params(work)
+    save_prepared(work / "data/prepared", *digits)
+    (work / "models/train").mkdir(parents=True)
+    with open(work / "models/train/model.pt", "wb") as f:
+        pickle.dump({"model": Exploit(marker)}, f)
+    # With a matching checksum: it is the loading that must refuse it.
+    (work / "models/train/model.sha256").write_text(files_sha(work / "models/train/model.pt"))
+    (work / "models/train/run.json").write_text('{"run_id": null}')
+    p = run([sys.executable, "-m", "stages.evaluate"], work,
+            env=env_with(PYTHONPATH=str(ROOT)), check=False)
+    assert p.returncode == 1 and "refused to load" in p.stderr and "weights_only" in p.stderr
+    assert not marker.exists()
+    # The same file as the newest checkpoint, with a matching checksum: skipped, never run.
+    ckpt = tmp_path / "ckpt"
+    fit_ckpt(linear_model(), digits, ckpt, epochs=1)
+    shutil.copy(work / "models/train/model.pt", ckpt / "epoch-0009.pt")
+    (ckpt / "epoch-0009.sha256").write_text(files_sha(ckpt / "epoch-0009.pt"))
+    with pytest.warns(UserWarning, match="epoch-0009.pt is unusable"):
+        assert latest_checkpoint(ckpt)["epoch"] == 1
+    assert not marker.exists()
+
+
+def test_a_hostile_pt2_never_runs_its_code(tmp_path, exported):
+    marker = tmp_path / "pwned"
+    symbol = b"Symbol('s31', positive=True, integer=True)"
+    hostile = {
+        # torch.export.load retries a failed weights-only load with full unpickling...
+        "pickled_inputs": lambda n, b: pickle.dumps((Exploit(marker), {}))
+        if n.endswith("sample_inputs/model.pt") else b,
+        # ...and evaluates the symbolic shapes with sympy, an eval.
+        "sympy": lambda n, b: b.replace(symbol, b"(open('" + str(marker).encode() + b"', 'w')"
+                                        b" and 0) or " + symbol) if n.endswith("models/model.json")
+        else b,
+    }
+    good = json.loads(predict(tmp_path, "img0.png", "img1.png", "--json", "--model",
+                              str(exported / "model.pt2")).stdout.splitlines()[0])
+    for name, edit in hostile.items():
+        rewrite_zip(exported / "model.pt2", exported / f"{name}.pt2", edit)
+        target = exported / "model.pt2"
+        shutil.copy(exported / f"{name}.pt2", target)
+        p = predict(tmp_path, "img0.png", "img1.png", "--json", "--model", str(target))
+        assert not marker.exists(), f"{name}: predict ran the file's code"
+        assert p.returncode == 0 and json.loads(p.stdout.splitlines()[0]) == good, p.stderr
+        # The fault is real: torch.export.load itself runs it.
+        try:
+            torch.export.load(str(exported / f"{name}.pt2")).module()
+        except Exception:  # noqa: BLE001, S110 - whether it then fails does not matter
+            pass
+        assert marker.exists(), f"{name}: the hostile file is not hostile"
+        marker.unlink()
+
+    # A weight stored as a pickle: refused, never unpickled.
+    import zipfile
+
+    with zipfile.ZipFile(exported / "sympy.pt2") as z:
+        cfg_name = next(n for n in z.namelist() if n.endswith("model_weights_config.json"))
+        weight_name = cfg_name.replace("model_weights_config.json", "weight_0")
+
+    def pickled_weight(n, b):
+        if n == cfg_name:
+            cfg = json.loads(b)
+            cfg["config"]["0.0.weight"]["use_pickle"] = True
+            return json.dumps(cfg).encode()
+        return pickle.dumps(Exploit(marker)) if n == weight_name else b
+
+    rewrite_zip(exported / "pickled_inputs.pt2", exported / "model.pt2", pickled_weight)
+    p = predict(tmp_path, "img0.png", "--model", str(exported / "model.pt2"))
+    assert p.returncode == 1 and "is a pickle, refused" in one_error_line(p.stderr)
+    assert not marker.exists()
+
+
+def test_a_hostile_onnx_reaching_outside_its_folder_is_one_line(tmp_path, exported):
+    import onnx
+    from onnx import TensorProto, helper
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(bytes(256 * 10 * 4))
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[256, 10],
+                         data_location=TensorProto.EXTERNAL)
+    for k, v in {"location": "../secret.bin", "offset": "0", "length": str(256 * 10 * 4)}.items():
+        weight.external_data.add(key=k, value=v)
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["image"], ["flat"]),
+         helper.make_node("MatMul", ["flat", "w"], ["logits"])], "g",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["n", 1, 16, 16])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 10])], [weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              str(exported / "model.onnx"))
+    p = predict(tmp_path, "img0.png", "--model", str(exported / "model.onnx"))
+    assert p.returncode == 1 and "onnxruntime refused it" in one_error_line(p.stderr)
+
+
+@pytest.mark.parametrize("damage", ["flip 4000 bytes", "truncate"])
+def test_a_damaged_model_pt_fails_naming_it_and_logs_nothing(trained, tmp_path, mlflow_uri, damage):
+    import mlflow
+
+    w = tmp_path / "w"
+    shutil.copytree(trained, w)
+    model = w / "models/train/model.pt"
+    data = bytearray(model.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        for i in range(4000):
+            data[len(data) // 4 + i * 7 % (len(data) // 2)] ^= 0xFF
+    model.write_bytes(bytes(data))
+    p = run([sys.executable, "-m", "stages.evaluate"], w,
+            env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri), check=False)
+    line = one_error_line(p.stderr)
+    assert p.returncode == 1 and "models/train/model.pt" in line and "checksum mismatch" in line
+    assert not (w / "models/eval").exists()
+    run_id = json.loads((w / "models/train/run.json").read_text())["run_id"]
+    assert "eval/accuracy" not in mlflow.MlflowClient(mlflow_uri).get_run(run_id).data.metrics
+
 
 GIB = 1 << 30
 
@@ -80,7 +218,7 @@ def weights_config(pt2) -> str:
         return next(n for n in z.namelist() if n.endswith("model_weights_config.json"))
 
 
-# ------------------------------------------------------------ 1. bombs
+# ------------------------------------------------------------ bombs
 
 
 def test_a_pt2_zip_bomb_is_refused_without_inflating_it(tmp_path, exported):
@@ -226,7 +364,7 @@ def test_an_onnx_constant_of_shape_of_a_trillion_elements_is_one_line(tmp_path, 
     assert p.stdout == "" and peak < GIB and wall_s < 60, (peak, wall_s)
 
 
-# ------------------------------------------------------------ 2. model.json, bounded and checked
+# ------------------------------------------------------------ model.json, bounded and checked
 
 
 @pytest.mark.parametrize("suffix", [".pt2", ".safetensors", ".onnx"])
@@ -341,7 +479,7 @@ def test_a_forged_checkpoint_and_its_checksum_are_refused_in_one_line(tmp_path, 
     assert not any(t.is_meta for t in model.state_dict().values())
 
 
-# ------------------------------------------------------------ 3. labels in the text output
+# ------------------------------------------------------------ labels in the text output
 
 
 def test_terminal_escape_sequences_in_class_labels_are_escaped_in_text(tmp_path, exported):

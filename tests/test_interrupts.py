@@ -15,7 +15,7 @@ import torch
 from stages.checkpoints import latest_checkpoint
 from stages.lib import files
 from tests.conftest import ROOT, copy_params, env_with, set_params
-from tests.workspaces import (
+from tests.support.workspaces import (
     folder_workspace,
     interruptible,
     one_error_line,
@@ -24,7 +24,6 @@ from tests.workspaces import (
 )
 
 
-@pytest.mark.slow
 def test_params_changed_under_a_training_run_fail_it_naming_the_cause(tmp_path, digits, mlflow_uri):
     import mlflow
 
@@ -65,7 +64,6 @@ def test_a_params_file_caught_mid_write_is_not_taken_for_a_change(tmp_path):
         watch.check()
 
 
-@pytest.mark.slow
 def test_ctrl_c_in_train_is_one_line_and_the_run_killed(tmp_path, digits, mlflow_uri):
     import mlflow
 

@@ -1,6 +1,6 @@
-"""What users name their data (issue 21, "names"): symlinked folders, names that are not UTF-8,
-class names that look like markup or like split folders. Each injected for real: real folders
-and files with those names, the real stages, a real `dvc`, a real browser where one is here."""
+"""What users name their data: symlinked folders, names that are not UTF-8, class
+names that look like markup or like split folders. Each injected for real: real folders and files
+with those names, the real stages, a real `dvc`, a real browser where one is here."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from stages.lib.images import DataError
 from stages.report import confusion_csv, confusion_png, misclassified_png, per_class_csv
 from stages.sources import list_folder
 from tests.conftest import ROOT, copy_params, copy_repo, env_with, rendered_dom, run, set_params
-from tests.images import make_folder
-from tests.workspaces import one_error_line
+from tests.support.image_files import make_folder
+from tests.support.workspaces import one_error_line
 
 # Folder names users give classes that mean something to matplotlib, HTML, CSV, printf or format.
 MARKUP = ["$", "$$", "$_$", "<b>", "&amp;", "a\nb", "%s", "{}", "<!--<script>",

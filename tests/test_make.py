@@ -1,124 +1,24 @@
-"""Issue 21, tracking: MLflow runs that recover, `make share`/`verify`/`setup` that explain
-themselves. Each fault is real: runs and experiments deleted in a real store, a second store,
-real make with a real remote missing, a real thread-count change, a real wrong `python3`."""
+"""The make targets that manage a workspace, run for real: `make share` without a usable
+remote, `make verify` on another thread count, `make setup` with a wrong `python3` and through
+pip's silences, `make clean`. Each explains itself in one line and says the way on."""
 
 from __future__ import annotations
 
-import json
+import io
 import os
+import re
 import shutil
 import subprocess
 import sys
-import uuid
-import warnings
+import time
 from pathlib import Path
 
-import mlflow
 import pytest
 
-from stages import tracking
-from stages.config import MlflowConfig, Params, flatten
+from stages.lib.pip_progress import narrate
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run
 
-# ------------------------------------------------------------ 1, 2: a run that recovers
-
-
-@pytest.fixture(scope="module")
-def other_store(tmp_path_factory) -> str:
-    """A second sqlite store, made once (migrations: ~6 s)."""
-    uri = f"sqlite:///{tmp_path_factory.mktemp('other') / 'mlflow.db'}"
-    mlflow.MlflowClient(uri).search_experiments()
-    return uri
-
-
-def trained_dir(tmp_path: Path, cfg: MlflowConfig, params: dict) -> tuple[Path, str]:
-    """What train leaves, with the real calls train makes: a run with its params, a model
-    file, its metrics and history, and run.json linking them."""
-    train_dir = tmp_path / "models/train"
-    train_dir.mkdir(parents=True)
-    (train_dir / "model.pt").write_bytes(uuid.uuid4().bytes)
-    (train_dir / "metrics.json").write_text('{"best_val_acc": 0.9, "epochs_run": 2}')
-    (train_dir / "history.csv").write_text("epoch,val_acc\n1,0.8\n2,0.9\n")
-    with tracking.start_run(cfg) as run:
-        run.log_params(params)
-        tracking.link_model(run, train_dir / "model.pt")
-    return train_dir, run.run_id
-
-
-def evaluate(cfg: MlflowConfig, params: dict, meta: dict, train_dir: Path) -> tuple[str, list]:
-    """What evaluate does with MLflow: the run it logged into, and the warnings it gave."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with tracking.experiment_run(cfg, params, meta, train_dir) as run:
-            run.log_evaluation({"accuracy": 0.95, "loss": 0.1, "n": 360})
-    return run.run_id, [str(w.message) for w in caught]
-
-
-FAULTS = ["none", "run deleted", "experiment deleted", "another store", "no run id",
-          "eval param changed"]
-
-
-@pytest.mark.parametrize("fault", FAULTS)
-def test_later_stages_recover_tracking_after_a_lost_or_stale_run(fault, tmp_path, monkeypatch,
-                                                                 mlflow_uri, other_store, digits):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
-    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
-    cfg = MlflowConfig(experiment=f"recover-{uuid.uuid4().hex[:8]}")
-    params = flatten(Params())
-    train_dir, trained = trained_dir(tmp_path, cfg, params)
-    client = mlflow.MlflowClient(mlflow_uri)
-    exp_id = client.get_run(trained).info.experiment_id
-    store = mlflow_uri
-    if fault == "run deleted":
-        client.delete_run(trained)
-    elif fault == "experiment deleted":
-        client.delete_experiment(exp_id)
-    elif fault == "another store":
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", other_store)
-        store = other_store
-    elif fault == "no run id":  # trained while the store was down
-        link = json.loads((train_dir / "run.json").read_text())
-        (train_dir / "run.json").write_text(json.dumps({**link, "run_id": None}))
-    elif fault == "eval param changed":
-        params = {**params, "eval.batch_size": 128}
-    before = (train_dir / "run.json").read_text()
-
-    logged_into, said = evaluate(cfg, params, {**digits[1]}, train_dir)
-    client = mlflow.MlflowClient(store)
-    got = client.get_run(logged_into)
-    assert got.info.lifecycle_stage == "active" and got.info.status == "FINISHED"
-    assert got.data.metrics["eval/accuracy"] == 0.95
-    # The run's params are the ones its metrics were produced with.
-    assert got.data.params == {k: str(v) for k, v in params.items()}
-    assert client.get_experiment(got.info.experiment_id).name == cfg.experiment
-    if fault in ("none", "experiment deleted"):  # restored with its runs: the same run
-        assert logged_into == trained and (train_dir / "run.json").read_text() == before
-        assert said == ([] if fault == "none" else
-                        [f"MLflow experiment {cfg.experiment!r} was deleted in {store}; restored "
-                         "it with its runs (delete them one by one, or rename mlflow.experiment)"])
-        return
-    assert logged_into != trained and len(said) == 1, said
-    assert said[0].startswith(f"{train_dir / 'run.json'}: ") and logged_into in said[0]
-    # With no run id, the store's run that logged this model's MD5 (found here: the same run).
-    assert got.data.tags["training_run_id"] == trained
-    assert got.data.tags["mlflow.note.content"].startswith("A run of its own: ")
-    assert "restored_from_run_cache" not in got.data.tags
-    assert {"val/best_acc", "val/acc"} <= set(got.data.metrics)  # the training's, from DVC outputs
-    assert json.loads((train_dir / "run.json").read_text())["run_id"] == logged_into
-    assert got.data.tags.get("training_tracking_uri") == (
-        f"{mlflow_uri}" if fault == "another store" else None)
-    if fault == "eval param changed":
-        assert "eval.batch_size: 512 -> 128" in said[0]
-        old = mlflow.MlflowClient(mlflow_uri).get_run(trained)
-        assert old.data.params["eval.batch_size"] == "512" and not old.data.metrics
-    if fault == "run deleted":  # the deleted run is left as the user left it
-        assert mlflow.MlflowClient(mlflow_uri).get_run(trained).info.lifecycle_stage == "deleted"
-    # Recovered for good: the next stage (export) logs into the new run, without a word.
-    assert evaluate(cfg, params, {**digits[1]}, train_dir) == (logged_into, [])
-
-
-# ------------------------------------------------------------ 3, 4: make share, make verify
+# ------------------------------------------------------------ make share, make verify
 
 # A stage whose outputs depend on torch's thread count, as real training does in its last bits.
 THREADS_STAGE = """\
@@ -182,7 +82,7 @@ def workspace_state(repo: Path) -> dict:
                          "[Errno 20] Not a directory: '{tmp}/file/under/"),
 ])
 def test_make_share_without_a_usable_remote_is_one_line(dvc_repo, tmp_path, remote, expected):
-    from tests.workspaces import closed_port
+    from tests.support.workspaces import closed_port
 
     repo = tmp_path / "repo"
     shutil.copytree(dvc_repo, repo, symlinks=True)
@@ -217,7 +117,7 @@ def test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back(
     assert "up to date" in run(["dvc", "status"], repo).stdout
 
 
-# ------------------------------------------------------------ 5: a wrong Python
+# ------------------------------------------------------------ a wrong Python
 
 def test_make_refuses_a_wrong_python_and_never_reuses_its_venv(tmp_path):
     """A `python3` that is 3.7 first on PATH: one line, no .venv; a .venv left by it (no
@@ -249,3 +149,56 @@ def test_make_refuses_a_wrong_python_and_never_reuses_its_venv(tmp_path):
     made = run([str(work / ".venv/bin/python"), "--version"], work).stdout
     assert made.startswith(f"Python {sys.version_info.major}.{sys.version_info.minor}.")
     assert (work / ".venv/.installed").exists()
+
+
+def test_make_clean_removes_scratch_and_keeps_runs_data_and_models(tmp_path):
+    from tests.conftest import copy_repo, run
+
+    repo = copy_repo(tmp_path / "repo")
+    scratch = [".checkpoints/abc/epoch-0001.pt", "dvc_plots/index.html", "bench/results.csv",
+               "stages/__pycache__/x.pyc", ".pytest_cache/v"]
+    kept = ["mlflow.db", "mlartifacts/1/x", "data/prepared/train.pt", "models/train/model.pt",
+            ".dvc/cache/files/md5/ab/cdef"]
+    for f in scratch + kept:
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text("x")
+    p = run(["make", "clean"], repo)
+    assert not [f for f in scratch if (repo / f).exists()], p.stdout
+    assert all((repo / f).exists() for f in kept) and "kept: mlflow.db" in p.stdout
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""  # nothing tracked went
+
+
+def test_setup_says_what_pip_does_through_its_silences(tmp_path):
+    """`make setup`'s pip output, read by stages.lib.pip_progress: a numbered line per package, a
+    line while pip is silent (minutes, unpacking torch), a count instead of pip's list. Real
+    pip installs a wheel built here into a new venv; then pip's silence, made by waiting."""
+    project = tmp_path / "tiny"
+    (project / "tiny").mkdir(parents=True)
+    (project / "tiny/__init__.py").write_text("")
+    (project / "pyproject.toml").write_text('[project]\nname = "tiny"\nversion = "1.0"\n')
+    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", wheels, project], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
+                            "--progress-bar", "off", "--find-links", wheels, "tiny"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
+                          stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert pip.wait() == 0
+    lines = said.stdout.splitlines()
+    assert lines[0].startswith("[1/1] Processing ") and "tiny" in lines[0], lines
+    assert "unpacking 1 packages into .venv" in said.stdout
+    assert re.fullmatch(r"installed 1 packages in 0:\d\d", lines[-1]), lines
+
+    def silent_pip():
+        yield "Collecting torch==2.14.1\n"
+        yield "Installing collected packages: torch, triton\n"
+        time.sleep(1.6)  # pip unpacking in silence
+        yield "Successfully installed torch-2.14.1 triton-3.8.0\n"
+
+    out = io.StringIO()
+    narrate(silent_pip(), total=2, out=out, quiet_s=0.5)
+    said = out.getvalue()
+    assert "  ... pip is unpacking 2 packages into .venv (0:0" in said, said
+    assert said.rstrip().endswith("installed 2 packages in 0:01"), said

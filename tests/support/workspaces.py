@@ -1,4 +1,4 @@
-"""Workspaces and helpers the fault tests share: a stage folder with prepared digits, a
+"""Workspaces and helpers the stage-level tests share: a stage folder with prepared digits, a
 trained or exported model, and the one-line error every failure must end in."""
 
 from __future__ import annotations
