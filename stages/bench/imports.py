@@ -105,7 +105,7 @@ def summary(edges: dict[str, set[str]]) -> dict[str, int]:
 
 
 def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
-    """Boxes in columns by layer (imports point left), coloured by package."""
+    """Boxes in rows by layer (imports point down), coloured by package."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,11 +121,12 @@ def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
     columns: dict[int, list[str]] = {}
     for m in sorted(shown, key=lambda m: (package(m) or "", m)):
         columns.setdefault(level[m], []).append(m)
-    height = max(map(len, columns.values()))
-    pos = {m: (2.6 * x, height - i * height / len(ms)) for x, ms in columns.items()
+    width = max(map(len, columns.values()))
+    # Rows are layers, the bottom one first: every arrow points down.
+    pos = {m: ((i + 0.5) * width / len(ms), 1.4 * y) for y, ms in columns.items()
            for i, m in enumerate(ms)}
     colours = dict(zip(sorted({package(m) for m in shown} - {None}), plt.cm.Set2.colors, strict=False))
-    fig, ax = plt.subplots(figsize=(2.2 * len(columns) + 2, 0.42 * height + 2))
+    fig, ax = plt.subplots(figsize=(1.7 * width + 1, 0.95 * len(columns) + 1.5))
     for a, bs in shown.items():
         for b in bs:
             ax.annotate("", xy=pos[b], xytext=pos[a], arrowprops={
@@ -137,14 +138,14 @@ def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
     s = summary(edges)
     ax.set_title(f"{title}: {s['modules']} modules ({s['top_level_modules']} at the top of "
                  f"stages/), {s['layers']} layers, {s['imports']} imports, {s['cycles']} cycles"
-                 "\ncolumns are layers: a module imports only modules to its left; white = the top of "
+                 "\nrows are layers: a module imports only modules below it; white = the top of "
                  "stages/, a colour per package",
                  fontsize=10)
-    ax.set_xlim(-1.5, 2.6 * max(columns) + 1.5)
-    ax.set_ylim(-1, height + 1)
+    ax.set_xlim(-0.3, width + 0.3)
+    ax.set_ylim(-0.8, 1.4 * max(columns) + 0.8)
     ax.axis("off")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=80)
     plt.close(fig)
 
 
