@@ -127,7 +127,7 @@ def mlflow_server(db: str, folder: Path, timeout: float = 240) -> Iterator[Mlflo
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts", folder / "artifacts",
-             "--port", str(port), "--workers", "1"], cwd=Path(__file__).resolve().parents[1],
+             "--port", str(port), "--workers", "1"], cwd=Path(__file__).resolve().parents[2],
             env=server_env(user, password), stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
     try:
@@ -232,3 +232,16 @@ def logged_in_page(url: str, user: str, password: str, png: Path, text: str,
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server (SeaweedFS, `make s3`'s) for the test session, on loopback, with two
+    buckets: `team-dvc` for DVC remotes and `team-mlflow` for MLflow's artifacts."""
+    from stages.team.s3 import start, stop
+
+    server = start(tmp_path_factory.mktemp("s3"), 0, ("team-dvc", "team-mlflow"))
+    try:
+        yield server
+    finally:
+        stop(server)
