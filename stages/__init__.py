@@ -20,17 +20,46 @@ MOVED = {
 }
 
 
+def _runs(module: str) -> bool:
+    """Whether `python -m module` does something: a package with __main__, or a script."""
+    from importlib.util import find_spec
+
+    spec = find_spec(module)
+    if spec.submodule_search_locations:
+        return find_spec(f"{module}.__main__") is not None
+    with open(spec.origin) as f:
+        return 'if __name__ == "__main__":' in f.read()
+
+
 class _Moved(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         old = fullname.removeprefix("stages.")
         if fullname.startswith("stages.") and old in MOVED:
             new = f"stages.{MOVED[old]}"
-            raise ModuleNotFoundError(f"{fullname} moved to {new}: run `python -m {new}` or "
-                                      f"import {new}", name=fullname)
+            how = f"run `python -m {new}` or import {new}" if _runs(new) else f"import {new}"
+            raise ModuleNotFoundError(f"{fullname} moved to {new}: {how}", name=fullname)
         return None
 
 
 sys.meta_path.append(_Moved())
+
+
+def moved_attribute(package: str, name: str):
+    """For a package that was one module before the move (stages.serving, sweep, tracking): an
+    old `from stages.serving import load_champion` names the module that holds it now."""
+    import importlib
+    import pkgutil
+
+    if not name.startswith("_"):
+        modules = [f"{package}.{m.name}" for m in pkgutil.iter_modules(
+            importlib.import_module(package).__path__) if m.name != "__main__"]
+        holding = [m for m in modules if name in vars(importlib.import_module(m))]
+        # The module that defines it, before those that import it.
+        for module in sorted(holding, key=lambda m: getattr(
+                vars(sys.modules[m])[name], "__module__", None) != m):
+            raise ImportError(f"{package}.{name} moved to {module}.{name}: import it from there",
+                              name=package)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
 def __getattr__(name: str):

@@ -33,8 +33,12 @@ FILES = ("model.onnx", "model.json")
 # What the served model imports, at the versions of this environment (requirements.lock): the
 # model's requirements.txt, which a container built from it installs.
 REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
-# The modules of stages/ it imports (a test loads a saved model away from the checkout).
-PACKAGE = ("__init__.py", "config.py", "predict.py", "lib/__init__.py", "lib/cli.py", "lib/images.py")
+# The modules of stages/ it imports, transitively, and the two that config reads as text (the
+# registries of models and sources): tests/test_serving.py checks the list against the import graph
+# and loads a saved model away from the checkout.
+PACKAGE = ("__init__.py", "config.py", "models.py", "predict.py", "sources.py", "weights.py",
+           "lib/__init__.py", "lib/cli.py", "lib/errors.py", "lib/files.py", "lib/images.py",
+           "lib/paths.py", "lib/strict_yaml.py")
 STAGES = SERVED_MODEL.parents[1]
 
 

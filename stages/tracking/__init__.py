@@ -41,3 +41,9 @@ from stages.tracking.tracker import Tracker
 __all__ = ["EXPERIMENT_TAGS", "PARENT_RUN_ENV", "Tracker", "experiment_run", "experiment_url",
            "git_commit", "link_model", "metric_name", "reason", "refusal", "run_name",
            "start_run", "tracking_uri"]
+
+
+def __getattr__(name: str):  # an old `from stages.tracking import x`: say where x lives now
+    from stages import moved_attribute
+
+    return moved_attribute(__name__, name)

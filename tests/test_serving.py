@@ -37,6 +37,7 @@ import pytest
 from PIL import Image
 
 from stages.data import save_prepared
+from stages.serving.registry import PACKAGE
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
 from tests.support.image_files import EPS, fake_ghostscript, many_scan_jpeg
 from tests.support.services import (
@@ -638,8 +639,20 @@ def test_dockerfile_names_the_locked_versions_and_the_pyfunc_server(in_workspace
     requirements = (out / "model_dir/model/requirements.txt").read_text().split()
     assert requirements == [f"{name}=={locked[name]}" for name in
                             ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")]
-    assert sorted(p.name for p in (out / "model_dir/model/code/stages").iterdir()) == \
-        ["__init__.py", "cli.py", "config.py", "images.py", "predict.py"]
+    code = out / "model_dir/model/code/stages"
+    assert sorted(p.relative_to(code).as_posix() for p in code.rglob("*.py")) == sorted(PACKAGE)
+
+
+def test_the_served_models_code_copy_is_what_it_imports():
+    """The served model runs away from the checkout on the copy of stages/ saved with it: every
+    module it imports, transitively, and the registries config reads as text."""
+    from stages.bench.imports import closure, graph, sources
+
+    needed = {m.removeprefix("stages.").replace(".", "/") for m in
+              closure(graph(sources()), "stages.serving.served_model", lambda m: False)}
+    packages = {"__init__.py", "lib/__init__.py"}
+    assert set(PACKAGE) == {f"{m}.py" for m in needed - {"serving/served_model"}} | packages | \
+        {"models.py", "sources.py"}
 
 
 def test_the_log_is_private(server):
