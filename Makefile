@@ -29,7 +29,7 @@ $(STAMP): requirements.lock
 	@v=$(call version,$(PY)); printf '3.11\n%s\n' "$$v" | sort -VC \
 		|| PATH='$(USER_PATH)' $(PYTHON) -m venv --clear $(VENV)
 	@echo "installing requirements.lock into $(VENV): 6.5 GB, 6 to 10 minutes the first time, more" \
-		"on a busy machine (torch's CUDA libraries; README: The two commands)"
+		"on a busy machine (torch's CUDA libraries; docs/install.md)"
 	@# A numbered line per package as pip takes it, a line for each 30 s pip stays silent, a
 	@# count at the end (stages/lib/pip_progress.py: standard library, runs before anything is installed).
 	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
@@ -62,7 +62,7 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
 	$(PY) -m stages.team.share
 
-# An Optuna study of DVC experiments (README: Sweeps). STORAGE is the study's database: through
+# An Optuna study of DVC experiments (docs/sweeps.md). STORAGE is the study's database: through
 # the environment, so make never echoes a password; its default is $REPROTRAIN_SWEEP_STORAGE.
 SWEEP ?= sweeps/lr.yaml
 WORKERS ?= 1
@@ -100,7 +100,7 @@ s3: setup ## a local S3 server on http://127.0.0.1:9000 (S3_PORT=... to change),
 serve: PORT ?= 5001
 serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT=... to change): /ping, /invocations
 	@$(PY) -m stages.serving.app --port $(PORT)
-# The team's server (README: A team's tracking server). The admin's login and the Flask secret
+# The team's server (docs/server.md). The admin's login and the Flask secret
 # key come from the environment (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_FLASK_SERVER_SECRET_KEY),
 # never from the command line, where `ps` would show them.
 HOST ?= 127.0.0.1

@@ -101,8 +101,8 @@ def group(cfg: TrainConfig) -> Iterator[tuple[int, int]]:
         raise UserError(f"the training group could not connect ({network_cause(e)}): on several "
                         "machines, each needs --local-addr=<its address> and the first one "
                         "--rdzv-conf=is_host=1, and GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME on "
-                        "GPUs) names the interface that reaches the others; see README "
-                        "\"Several machines\"") from None
+                        "GPUs) names the interface that reaches the others; see docs/multinode.md "
+                        "\"The several-machines command\"") from None
     try:
         yield rank, world
     except RuntimeError as e:

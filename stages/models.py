@@ -11,7 +11,7 @@ against this contract (all but `torch.compile`):
   the model from them alone. The image size is not among them: a layer sized by it (an MLP's
   first) pools to a fixed size first. A new hyperparameter is a `ModelConfig` field with a
   default and a bound in its `__post_init__` (a forged file can name any value, and its
-  skeleton is built before anything is checked), in params.yaml and in README's parameter
+  skeleton is built before anything is checked), in params.yaml and in docs/params.md's parameter
   table (test_config.py checks both); the existing ones, `width` and `dropout`, a builder may
   ignore.
 - Weights: same seed, same weights, bitwise. Build with torch's default initializers, drawing

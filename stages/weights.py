@@ -1,5 +1,5 @@
 """models/train/model.pt, the trained model: train writes it; evaluate, export, predict and
-bench_serve read it. Its format is `TrainedModel`, here and nowhere else.
+bench/serving.py read it. Its format is `TrainedModel`, here and nowhere else.
 
 The file describes itself: the weights of the uncompiled module, plus all it takes to rebuild
 and feed the model. Nothing run-specific (run id, timings): the same params, seed and machine

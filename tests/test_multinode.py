@@ -270,6 +270,6 @@ def test_a_wrong_interface_fails_each_machine_in_one_line(digits, tmp_path, mlfl
         assert agent.returncode != 0
         errors = [line for line in out.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "the training group could not connect" in errors[0], out
-        assert "GLOO_SOCKET_IFNAME" in errors[0] and "Several machines" in errors[0]
+        assert "GLOO_SOCKET_IFNAME" in errors[0] and "docs/multinode.md" in errors[0]
         assert "stages/" not in "".join(line for line in out.splitlines()
                                         if line.lstrip().startswith("File"))

@@ -290,7 +290,7 @@ def test_the_server_down_when_make_serve_starts_is_one_quick_line(champion):
     line, took = make_serve_fails(w, dict(env, MLFLOW_TRACKING_URI=down))
     assert line == (f"error: the tracking server at {down} does not answer, so the champion of "
                     f"registered model '{NAME}' cannot be looked up; start it (`make server`, "
-                    "README: A team's tracking server) or set MLFLOW_TRACKING_URI to one that runs")
+                    "docs/server.md) or set MLFLOW_TRACKING_URI to one that runs")
     assert took < 60, took
 
 

@@ -5,7 +5,9 @@
 dvc.yaml's deps come from it (tests/test_dvc_yaml.py), and docs/code-map.md shows its pictures.
 Imports inside functions count: they run as surely as the ones at the top. A package's
 `__init__` counts only where it is imported by name (importing stages.lib.files runs
-stages/lib/__init__.py, a docstring, which decides nothing).
+stages/lib/__init__.py, a docstring, which decides nothing). It sees imports only:
+stages/config.py also reads stages/models.py and stages/sources.py as text (the names of their
+registries, without importing torch), which no edge here shows.
 """
 
 from __future__ import annotations

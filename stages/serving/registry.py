@@ -113,7 +113,7 @@ def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:
     what = f"the {alias} of registered model {name!r}"
     if is_server(uri) and not reachable(uri):
         return (f"the tracking server at {where} does not answer, so {what} cannot be looked "
-                "up; start it (`make server`, README: A team's tracking server) or set "
+                "up; start it (`make server`, docs/server.md) or set "
                 "MLFLOW_TRACKING_URI to one that runs")
     if refused := tracking.refusal(e):
         if getattr(e, "error_code", None) == "PERMISSION_DENIED":

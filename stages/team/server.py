@@ -49,8 +49,8 @@ def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tupl
     user, password = env.get("MLFLOW_TRACKING_USERNAME", ""), env.get("MLFLOW_TRACKING_PASSWORD", "")
     mistakes = []
     if not db:
-        mistakes.append("no database: `make server DB=postgresql://USER@HOST/DB ...` (README: A "
-                        "team's tracking server); the password goes in PGPASSWORD or ~/.pgpass")
+        mistakes.append("no database: `make server DB=postgresql://USER@HOST/DB ...` (docs/server.md: "
+                        "quick start); the password goes in PGPASSWORD or ~/.pgpass")
     elif masked_uri(db) != db:
         # The URI is on the command line of this process, `mlflow db upgrade` and the server for
         # as long as it runs: `ps` shows it to every user of the machine.
@@ -205,13 +205,13 @@ def other_managers(db: str, admin: str, experiment: str, exp_id: str, model: str
             if any(p.experiment_id == exp_id and p.permission == "MANAGE"
                    for p in store.list_experiment_permissions(user.username)):
                 found.append(f"user {user.username!r} can manage experiment {experiment!r} "
-                             "(created it): delete or demote that permission (README, A team's "
-                             "tracking server)")
+                             "(created it): delete or demote that permission (docs/server.md, Logins, "
+                             "permissions)")
             if any(p.name == model and p.permission == "MANAGE"
                    for p in store.list_registered_model_permissions(user.username)):
                 found.append(f"user {user.username!r} can manage registered model {model!r} "
                              "and so the champion `make serve` serves (created it): delete or "
-                             "demote that permission (README, A team's tracking server)")
+                             "demote that permission (docs/server.md, Logins, permissions)")
     finally:
         store.engine.dispose()
     return found
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"  export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user>\n"
                   "  export MLFLOW_TRACKING_PASSWORD=<password>   # e.g. read -rs "
                   "MLFLOW_TRACKING_PASSWORD; export MLFLOW_TRACKING_PASSWORD\n"
-                  f"Users and permissions: README, A team's tracking server ({admin} is the "
+                  f"Users and permissions: docs/server.md, Logins, permissions ({admin} is the "
                   f"admin; experiment {experiment!r} and registered model {model!r} are the "
                   f"admin's{', and a member can manage them (above)' if others else ''}: grant "
                   "members EDIT)", flush=True)

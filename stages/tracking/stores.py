@@ -154,5 +154,5 @@ def refusal(e: Exception) -> str | None:
                 "to your user on it")
     if code == "PERMISSION_DENIED":
         return (f"user {user!r} may not write here: ask the server's admin for EDIT on the "
-                "experiment and the registered model (README: A team's tracking server)")
+                "experiment and the registered model (docs/server.md: Logins, permissions)")
     return None
