@@ -32,7 +32,8 @@ def main() -> None:
 
     with Repo() as repo, dvc_problems() as problems:
         name = repo.config["core"].get("remote")
-        remote = f"the DVC remote {name!r} ({repo.config['remote'].get(name, {}).get('url')})"
+        url = repo.config["remote"].get(name, {}).get("url")
+        remote = f"the DVC remote {name!r} ({url})"
         try:
             print(push(repo))
         except NoRemoteError:
@@ -44,14 +45,37 @@ def main() -> None:
                 raise
             raise ShareError(f"{remote} needs the package {plugin[1]}: `.venv/bin/pip install "
                              f"{plugin[1]}`, then rerun `make share`") from None
+        except s3_no_credentials():
+            raise ShareError(f"{remote} needs credentials and this machine has none: "
+                             f"{set_keys(name)}") from None
         except (DvcException, OSError) as e:  # OSError: a folder remote under a file, ...
             why = next((f" ({r.exc_info[1] if r.exc_info else r.getMessage()})"
                         for r in problems if r.levelno >= logging.ERROR), "")
+            # s3fs turns S3's 403s (a wrong secret, an unknown key) into PermissionError; on a
+            # folder remote the same class is a file's mode, which the advice below covers.
+            if isinstance(e, PermissionError) and str(url).startswith("s3://"):
+                raise ShareError(f"{remote} refused this machine's credentials: {e}{why}; "
+                                 f"{set_keys(name)}") from None
             raise ShareError(f"could not push to {remote}: {e}{why}; check its URL and that "
                              "this machine reaches it (`dvc remote list`, `dvc remote modify`)"
                              ) from None
     for record in problems:  # the warnings of a push that worked
         print(f"WARNING: {record.getMessage()}", file=sys.stderr)
+
+
+def s3_no_credentials() -> tuple[type[Exception], ...]:
+    """botocore's error for a request it could not sign, which DVC lets through as a traceback."""
+    try:
+        from botocore.exceptions import NoCredentialsError
+    except ImportError:  # no dvc-s3: no S3 remote could have got this far
+        return ()
+    return (NoCredentialsError,)
+
+
+def set_keys(name: str) -> str:
+    return (f"set its keys with `dvc remote modify --local {name} access_key_id KEY` and `dvc "
+            f"remote modify --local {name} secret_access_key SECRET` (or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY), then rerun `make share`")
 
 
 @contextmanager
