@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import digits_data
-from tests.test_multinode import (
+from stages.bench.netns import (
     HEAD,
     OTHER,
     Node,
+    digits_data,
     kill_the_other_agent,
     metrics,
+    netns_available,
     network_namespaces,
     train_on,
     workspace,
@@ -28,6 +29,9 @@ from tests.test_multinode import (
 
 
 def main(rounds: int) -> None:
+    why = netns_available()
+    if why:
+        sys.exit(f"stages.bench.multinode {why}")
     torch.set_num_threads(1)
     data = digits_data()
     tmp = Path(tempfile.mkdtemp(prefix="multinode-"))
