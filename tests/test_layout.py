@@ -3,6 +3,7 @@ module path a user could have typed before the move still answering."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 import subprocess
@@ -68,3 +69,15 @@ def test_a_name_from_a_module_that_became_a_package_names_its_new_module(package
 def test_a_moved_library_module_is_not_offered_to_run():
     with pytest.raises(ModuleNotFoundError, match="moved to stages.lib.cli: import stages.lib.cli$"):
         importlib.import_module("stages.cli")
+
+
+def test_no_module_of_stages_imports_the_tests():
+    """stages/ is the shipped package: tests/ is not installed beside it."""
+    found = []
+    for path in sorted((ROOT / "stages").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                      if n == "tests" or n.startswith("tests.")]
+    assert not found, found
