@@ -118,18 +118,20 @@ def server_env(user: str, password: str) -> dict[str, str]:
 
 
 @contextmanager
-def mlflow_server(db: str, folder: Path, timeout: float = 240) -> Iterator[MlflowServer]:
+def mlflow_server(db: str, folder: Path, timeout: float = 240, artifacts: str = "",
+                  env: dict[str, str] | None = None) -> Iterator[MlflowServer]:
     """The team server, started as a user does (`python -m stages.team.server`, logins on) on a free
-    loopback port against `db`, artifacts in `folder`; stopped with SIGTERM, as systemd does."""
+    loopback port against `db`, artifacts in `folder` (or at `artifacts`, an s3:// URI whose
+    endpoint and keys are in `env`, the server's alone); stopped with SIGTERM, as systemd does."""
     folder.mkdir(parents=True, exist_ok=True)
     user, password, port = "admin", f"pw-{secrets.token_hex(12)}", free_port()
     log = folder / "server.out"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts", folder / "artifacts",
-             "--port", str(port), "--workers", "1"], cwd=Path(__file__).resolve().parents[2],
-            env=server_env(user, password), stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [sys.executable, "-m", "stages.team.server", "--db", db,
+             "--artifacts", artifacts or folder / "artifacts", "--port", str(port), "--workers", "1"],
+            cwd=Path(__file__).resolve().parents[2], env=server_env(user, password) | (env or {}),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while "MLflow server ready" not in log.read_text():
