@@ -29,6 +29,7 @@ from stages.tracking.spool import replay_spool
 from stages.tracking.stores import (
     FAILING,
     is_server,
+    mark_failing,
     outage,
     plain_uri,
     reachable,
@@ -280,11 +281,11 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
         if e.error_code in MISSING_RUN:
             return f"its MLflow run {run_id} is not in {uri}", run_id
         if is_server(uri) and outage(e):  # start_run spools at once, and says so
-            FAILING.add(uri)
+            mark_failing(uri, e)
         return None, run_id
     except Exception as e:  # noqa: BLE001 - unreachable: start_run warns once
         if is_server(uri) and outage(e):
-            FAILING.add(uri)
+            mark_failing(uri, e)
         return None, run_id
     trained_by = run.data.tags.get("training_run_id", run_id)
     if run.info.lifecycle_stage == "deleted":

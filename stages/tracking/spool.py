@@ -13,11 +13,11 @@ import time
 from stages.lib.paths import repo_root
 from stages.tracking.names import EXPERIMENT_TAGS, run_name
 from stages.tracking.stores import (
-    FAILING,
     SERVER_RUN,
     SPOOL,
     SYNCED,
     is_server,
+    mark_failing,
     outage,
     plain_uri,
     reason,
@@ -82,8 +82,9 @@ def replay_spool(uri: str) -> None:
         print(f"note: {e}; this stage goes on", file=sys.stderr)
         return
     except Exception as e:  # noqa: BLE001 - the stage's own run comes first
-        if outage(e):
-            FAILING.add(uri)
+        if outage(e):  # the stage's run goes to the spool too: its one line says why
+            mark_failing(uri, e)
+            return
         print(f"warning: replaying the spool {SPOOL}/ to {plain_uri(uri)} failed "
               f"({refusal(e) or reason(e)}); `make sync` retries it", file=sys.stderr)
         return

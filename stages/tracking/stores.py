@@ -32,6 +32,11 @@ PROBE_S = 2.0
 # Servers this process saw fail (5xx, a hang): every later run of the process goes straight to
 # the spool, rather than waiting out MLflow's timeout and retries once more.
 FAILING: set[str] = set()
+# Why each of FAILING failed (outage_cause), for the one line that says a run is spooled.
+FAILED_BECAUSE: dict[str, str] = {}
+# MLflow's proxied artifact API: a 5xx or a hang there is the server's artifact store failing
+# (an S3 endpoint down behind it, a full disk), which the server's /health does not show.
+ARTIFACTS_API = "/mlflow-artifacts/"
 
 
 def tracking_uri(cfg: MlflowConfig) -> str:
@@ -109,6 +114,26 @@ def outage(e: BaseException) -> bool:
     if status is None and hasattr(e, "get_http_status_code"):  # an MlflowException
         status = e.get_http_status_code()
     return status is None or status >= 500
+
+
+def outage_cause(e: BaseException | None) -> str:
+    """What failed, in a few words for the user's one line ("" when nothing says more than
+    "unreachable"): the connection, or the artifact store behind a server that answers."""
+    if e is None:
+        return ""
+    text = str(e)
+    how = re.search(r"\[Errno -?\d+\] [\w ]+|timed out|too many \d+ error responses", text)
+    if ARTIFACTS_API in text:
+        return ("its artifact store failed" + (f", {how[0]}" if how else "") + ": the S3 "
+                "endpoint or folder behind --artifacts-destination, which its admin should check")
+    return how[0] if how else ""
+
+
+def mark_failing(uri: str, e: BaseException | None) -> None:
+    """`uri` failed this process (`e`, what it answered): later runs go straight to the spool."""
+    FAILING.add(uri)
+    if cause := outage_cause(e):
+        FAILED_BECAUSE.setdefault(uri, cause)
 
 
 def http_settings() -> str | None:

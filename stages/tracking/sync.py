@@ -508,6 +508,8 @@ def _failure(e: Exception, source: str, target: str) -> str:
     if refused := stores.refusal(e):  # a login or a permission: says whose, and how to get it
         return f"{refused}; nothing more was synced, {kept}"
     if stores.outage(e):
+        if stores.ARTIFACTS_API in str(e):  # the server answers; the store behind it does not
+            said = stores.outage_cause(e)
         return (f"the MLflow server {stores.plain_uri(target)} failed ({said}); nothing is lost, "
                 f"{kept}: rerun make sync when it answers")
     return f"the MLflow server {stores.plain_uri(target)} refused the sync ({said}); {kept}"

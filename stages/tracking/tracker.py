@@ -11,7 +11,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 import time
 import warnings
@@ -22,11 +21,13 @@ from stages.lib.cli import timed
 from stages.tracking.names import metric_name
 from stages.tracking.spool import open_spool_run
 from stages.tracking.stores import (
-    FAILING,
+    FAILED_BECAUSE,
     SERVER_MODEL,
     SPOOL,
     is_server,
+    mark_failing,
     outage,
+    outage_cause,
     plain_uri,
     reason,
     spool_uri,
@@ -96,7 +97,7 @@ class Tracker:
 
         if self.spooled or not is_server(self.uri) or (e is not None and not outage(e)):
             return False
-        FAILING.add(self.uri)
+        mark_failing(self.uri, e)
         self.spooled, where = True, spool_uri()
         try:
             with timed("tracking_s"):
@@ -118,10 +119,10 @@ class Tracker:
                           "tracking, DVC outputs are unaffected", stacklevel=4)
             return False
         self.enabled = True
-        cause = re.search(r"\[Errno -?\d+\] [\w ]+|timed out|too many \d+ error responses",
-                          str(e)) if e else None
+        # At the start (`e` None) or after a failed replay: why this process saw it fail.
+        cause = outage_cause(e) or FAILED_BECAUSE.get(self.uri, "")
         print(f"warning: MLflow server {plain_uri(self.uri)} is unreachable"
-              + (f" ({cause[0]})" if cause else "") + f"; this run is spooled to {SPOOL}/ "
+              + (f" ({cause})" if cause else "") + f"; this run is spooled to {SPOOL}/ "
               "(`make sync` sends it when the server is back; DVC outputs are unaffected)",
               file=sys.stderr)
         return True
