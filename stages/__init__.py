@@ -53,6 +53,8 @@ def moved_attribute(package: str, name: str):
     if not name.startswith("_"):
         modules = [f"{package}.{m.name}" for m in pkgutil.iter_modules(
             importlib.import_module(package).__path__) if m.name != "__main__"]
+        if f"{package}.{name}" in modules:  # `from stages.tracking import sync`: the module itself
+            return importlib.import_module(f"{package}.{name}")
         holding = [m for m in modules if name in vars(importlib.import_module(m))]
         # The module that defines it, before those that import it.
         for module in sorted(holding, key=lambda m: getattr(

@@ -81,3 +81,13 @@ def test_no_module_of_stages_imports_the_tests():
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
                       if n == "tests" or n.startswith("tests.")]
     assert not found, found
+
+
+def test_a_submodule_not_yet_imported_still_imports_from_its_package():
+    """The packages' __getattr__ (old names) must not stand in the way of their own modules."""
+    p = subprocess.run([sys.executable, "-c", "from stages.tracking import sync; "
+                        "from stages.serving import registry; from stages.sweep import spec; "
+                        "print(sync.__name__, registry.__name__, spec.__name__)"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["stages.tracking.sync", "stages.serving.registry",
+                                "stages.sweep.spec"], p.stderr
