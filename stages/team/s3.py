@@ -11,15 +11,16 @@ printed with the commands that use them. The tests start it through `start` and 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,10 @@ class S3:
     buckets: tuple[str, ...]
     proc: subprocess.Popen
     folder: Path
-    ports: tuple[int, ...]  # every port it opened: its socket files are named by them
+    sockets: Path  # a private folder for the local sockets weed lets us place
+    # The gRPC sockets weed always makes as /tmp/seaweedfs-<service>-grpc-<port>.sock.
+    grpc_sockets: tuple[Path, ...]
+    started: float
 
     def env(self) -> dict[str, str]:
         """What a client (DVC, boto3, the MLflow server) needs to reach it."""
@@ -86,6 +90,8 @@ def identities(folder: Path) -> tuple[str, str]:
 def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",)) -> S3:
     """weed mini on 127.0.0.1:`port` (a free one if 0), answering S3 requests, its data and logs
     in `folder`; telemetry off, so no traffic leaves the machine."""
+    if any(len(b) < 3 for b in buckets):
+        raise UserError(f"S3 bucket names are 3 to 63 characters: {buckets}")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     (folder / "data").mkdir(exist_ok=True)
     (folder / "logs").mkdir(mode=0o700, exist_ok=True)
@@ -94,21 +100,28 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     port = port or ports[0]
     extra = [f"-{name}.port={ports[1 + 2 * i]}" for i, name in enumerate(PORTS)] + \
         [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)]
+    # Short (a socket path holds 107 bytes) and private: the filer's and S3's sockets go here
+    # instead of weed's default fixed names under /tmp.
+    sockets = Path(tempfile.mkdtemp(prefix="reprotrain-s3-"))
+    extra += [f"-filer.localSocket={sockets / 'filer.sock'}",
+              f"-s3.localFilerSocket={sockets / 'filer.sock'}", f"-s3.localSocket={sockets / 's3.sock'}"]
+    grpc = [(name, ports[2 + 2 * i]) for i, name in enumerate(PORTS)] + [("s3", port + 10000)]
     cmd = [weed(), f"-logdir={folder / 'logs'}", "mini", f"-dir={folder / 'data'}",
            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}",
            f"-s3.config={folder / 'identities.json'}", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-bucket={','.join(buckets)}", *extra]
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
-    if any(len(b) < 3 for b in buckets):
-        raise UserError(f"S3 bucket names are 3 to 63 characters: {buckets}")
+    started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     s3 = S3(endpoint=f"http://127.0.0.1:{port}", access_key=key, secret_key=secret,
-            buckets=buckets, proc=proc, folder=folder, ports=(port, *ports[1:]))
+            buckets=buckets, proc=proc, folder=folder, sockets=sockets, started=started,
+            grpc_sockets=tuple(Path(f"/tmp/seaweedfs-{name}-grpc-{p}.sock") for name, p in grpc))
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            stop(s3)
             raise UserError(f"the S3 server stopped at start (exit {proc.returncode}); see "
                             f"{folder / 'logs' / 'weed.out'}")
         time.sleep(0.3)
@@ -147,11 +160,21 @@ def stop(s3: S3) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(s3.proc.pid, signal.SIGKILL)
         s3.proc.wait()
-    for port in s3.ports:  # the S3 gRPC twin's is its port + 10000
-        for sock in glob.glob(f"/tmp/seaweedfs-*-{port}.sock") + \
-                glob.glob(f"/tmp/seaweedfs-*-{port + 10000}.sock"):
+    shutil.rmtree(s3.sockets, ignore_errors=True)
+    for sock in s3.grpc_sockets:
+        if made_by_us(sock, s3.started):
             with contextlib.suppress(OSError):
-                os.unlink(sock)
+                sock.unlink()
+
+
+def made_by_us(path: Path, since: float) -> bool:
+    """A socket (not a link, not a file) this user made at or after `since`: what weed wrote at
+    its fixed /tmp name for this server, never another user's file planted there."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and st.st_ctime >= since - 1
 
 
 def main() -> None:
