@@ -1,8 +1,10 @@
 """`make sweep` for real: an Optuna study on PostgreSQL, local worker processes each in its own
-clone of a bare git remote, a folder as the DVC remote, one worker killed mid-trial."""
+clone of a bare git remote, S3 (or a folder) as the DVC remote, one worker killed mid-trial."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import signal
@@ -16,7 +18,7 @@ from ruamel.yaml import YAML
 
 from stages.sweep.spec import SweepError, load_sweep
 from tests.conftest import ROOT, copy_repo, env_with, run
-from tests.support.services import create_database, postgres  # noqa: F401
+from tests.support.services import create_database, postgres, s3  # noqa: F401
 from tests.support.slurm_cluster import slurm  # noqa: F401
 
 GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
@@ -113,6 +115,13 @@ def test_a_bad_sweep_file_fails_before_the_storage_is_touched(tmp_path):
     assert "space.lrr: unknown key 'lrr'; did you mean 'lr'?" in p.stderr
 
 
+def exp_ref(ls_remote: str, trial) -> str:
+    """The ref of a trial's experiment in `git ls-remote`'s output."""
+    (ref,) = [ln.split()[1] for ln in ls_remote.splitlines()
+              if ln.endswith(f"/{trial.user_attrs['dvc_exp']}")]
+    return ref
+
+
 def trials_of(uri: str, study: str):
     import optuna
 
@@ -136,16 +145,42 @@ def training_trial(uri: str, study: str, deadline_s: float):
     raise AssertionError("no trial reached its first epoch")
 
 
-def project(tmp_path: Path, sweep: str) -> Path:
-    """A user's repo with a folder as its DVC remote and a bare repository as `origin`."""
+def project(tmp_path: Path, sweep: str, s3=None) -> Path:  # noqa: F811 - the fixture's value
+    """A user's repo with a DVC remote and a bare repository as `origin`. The remote is a folder,
+    or with `s3` docs/data.md's recipe: a bucket, its endpoint committed, its keys --local."""
     repo = copy_repo(tmp_path / "repo")
-    run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], repo)
+    if s3 is None:
+        run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], repo)
+    else:
+        run(["dvc", "remote", "add", "-d", "team", f"s3://team-dvc/{tmp_path.name}"], repo)
+        run(["dvc", "remote", "modify", "team", "endpointurl", s3.endpoint], repo)
+        run(["dvc", "remote", "modify", "--local", "team", "access_key_id", s3.access_key], repo)
+        run(["dvc", "remote", "modify", "--local", "team", "secret_access_key", s3.secret_key],
+            repo)
     (repo / "sweeps/tiny.yaml").write_text(sweep)
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "a DVC remote and a sweep"], repo)
     run(["git", "clone", "-q", "--bare", str(repo), str(tmp_path / "origin.git")], tmp_path)
     run(["git", "remote", "add", "origin", str(tmp_path / "origin.git")], repo)
     return repo
+
+
+def no_aws(tmp: Path, **keys: str) -> dict[str, str]:
+    """The AWS_* variables of a machine that has only `keys`: none from ~/.aws, and no lookup of
+    EC2's metadata address, which would leave loopback."""
+    return {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "no-aws"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws"), **keys}
+
+
+def bucket(s3, prefix: str) -> dict[str, bytes]:  # noqa: F811 - the fixture's value
+    """Every object under `prefix` of the DVC bucket: key -> bytes."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                          aws_secret_access_key=s3.secret_key, region_name="us-east-1")
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket="team-dvc", Prefix=prefix) for o in page.get("Contents", [])]
+    return {k: client.get_object(Bucket="team-dvc", Key=k)["Body"].read() for k in keys}
 
 
 def sweep(repo: Path, env: dict, study: str, *args: str) -> subprocess.Popen:
@@ -164,11 +199,14 @@ def finish(coordinator: subprocess.Popen) -> str:
     return out
 
 
-def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp_path, postgres):  # noqa: F811
-    repo = project(tmp_path, TINY)
+def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp_path, postgres,  # noqa: F811
+                                                                             s3):  # noqa: F811
+    """On an S3 DVC remote whose keys only the coordinator's .dvc/config.local holds: the
+    workers get them in their environment, and another machine restores the best trial."""
+    repo = project(tmp_path, TINY, s3)
     uri = create_database(postgres, "sweep")
     study = "tiny"
-    coordinator = sweep(repo, env_with(REPROTRAIN_SWEEP_STORAGE=uri), study)
+    coordinator = sweep(repo, env_with(REPROTRAIN_SWEEP_STORAGE=uri, **no_aws(tmp_path)), study)
     try:
         # SIGKILL to the worker's process group: as a node, a pod or the OOM killer takes a
         # worker with everything it started.
@@ -208,9 +246,23 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
         assert f"/{t.user_attrs['dvc_exp']}\n" in refs
     for t in pruned:
         assert f"/{t.user_attrs['dvc_exp']}\n" not in refs
-    cached_lrs = {YAML(typ="safe").load(f.read_text())["params"]["params.yaml"].get("lr")
-                  for f in (tmp_path / "dvc-remote/runs").rglob("*") if f.is_file()}
+    stored = bucket(s3, f"{tmp_path.name}/")
+    cached_lrs = {YAML(typ="safe").load(body)["params"]["params.yaml"].get("lr")
+                  for key, body in stored.items() if key.startswith(f"{tmp_path.name}/runs/")}
     assert BAD not in cached_lrs and GOOD in cached_lrs, cached_lrs
+    # Every complete trial's outputs are in the bucket: each file its dvc.lock names for the
+    # stages it ran (up to the objective's; the later ones are the sweep commit's).
+    for t in complete:
+        lock = YAML(typ="safe").load(run(["git", "show", f"{exp_ref(refs, t)}:dvc.lock"],
+                                         tmp_path / "origin.git").stdout)
+        for o in (o for name in ("prepare", "train") for o in lock["stages"][name]["outs"]):
+            md5 = o["md5"]
+            manifest = stored.get(f"{tmp_path.name}/files/md5/{md5[:2]}/{md5[2:]}")
+            assert manifest is not None, (t.number, o["path"])
+            if md5.endswith(".dir"):
+                for entry in json.loads(manifest):
+                    assert f"{tmp_path.name}/files/md5/{entry['md5'][:2]}/{entry['md5'][2:]}" \
+                        in stored, (t.number, o["path"], entry["relpath"])
 
     import mlflow
 
@@ -242,6 +294,24 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
     assert len(progress) == len(set(progress)) >= 5, out  # a line per change, and only then
     assert re.search(r"8/8 done: \d complete, \d pruned, 1 failed \(1 retried\), 0 running, "
                      r"0 waiting; best best_val_acc 0\.\d{4} \(trial \d: lr=0.01\)", progress[-1])
+
+    # Another machine: a fresh clone of the git remote, the keys in its environment only,
+    # restores the best trial's model with the lines the sweep printed, and trains nothing.
+    import optuna
+
+    best = optuna.load_study(study_name=study, storage=uri).best_trial
+    exp = best.user_attrs["dvc_exp"]
+    line = next(ln for ln in out.splitlines() if ln.startswith(f"best: {exp};"))
+    other = tmp_path / "other"
+    run(["git", "clone", "-q", str(tmp_path / "origin.git"), str(other)], tmp_path)
+    keys = no_aws(tmp_path, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+    restored_here = run(["bash", "-ec", line.split(": ", 2)[2]], other, env=env_with(**keys))
+    assert "Running stage" not in restored_here.stdout + restored_here.stderr
+    lock = YAML(typ="safe").load((other / "dvc.lock").read_text())
+    (model,) = [o for o in lock["stages"]["train"]["outs"] if o["path"] == "models/train/model.pt"]
+    assert hashlib.md5((other / "models/train/model.pt").read_bytes()).hexdigest() == model["md5"]
+    assert json.loads((other / "models/train/metrics.json").read_text())["best_val_acc"] == \
+        best.value
 
 
 def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgres, slurm,  # noqa: F811
@@ -404,11 +474,49 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     run(["dvc", "init", "-q"], repo)
     run(["git", "commit", "-qm", "dvc init"], repo)
     run(["dvc", "remote", "add", "-d", "--local", "storage", "../store"], repo)
-    url = shared_dvc_remote(repo)
-    assert url == str(tmp_path / "store")  # absolute: a clone lives elsewhere
+    shared = shared_dvc_remote(repo)
+    assert shared == {"url": str(tmp_path / "store")}  # absolute: a clone lives elsewhere
     run(["git", "clone", "-q", str(repo), str(tmp_path / "clone")], tmp_path)
     assert not has_dvc_remote(tmp_path / "clone")
-    assert use_dvc_remote(tmp_path / "clone", url) and has_dvc_remote(tmp_path / "clone")
+    assert use_dvc_remote(tmp_path / "clone", shared) and has_dvc_remote(tmp_path / "clone")
+
+
+def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(tmp_path, s3,  # noqa: F811
+                                                                                monkeypatch):
+    """An S3 remote added --local: the study carries its URL and endpoint but no key (the team's
+    database keeps it); the keys go to the workers in their environment, and a worker's clone
+    pulls what the workspace pushed."""
+    from stages.sweep.worker import dvc_remote_keys, shared_dvc_remote, use_dvc_remote
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    repo = tmp_path / "repo"
+    run(["git", "init", "-q", str(repo)], tmp_path)
+    run(["dvc", "init", "-q"], repo)
+    (repo / "data.txt").write_text("what a trial needs\n")
+    run(["dvc", "add", "-q", "data.txt"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "data"], repo)
+    url = f"s3://team-dvc/{tmp_path.name}"
+    for args in (["add", "-d", "--local", "team", url],
+                 ["modify", "--local", "team", "endpointurl", s3.endpoint],
+                 ["modify", "--local", "team", "access_key_id", s3.access_key],
+                 ["modify", "--local", "team", "secret_access_key", s3.secret_key]):
+        run(["dvc", "remote", *args], repo)
+    run(["dvc", "push", "-q"], repo, env=env_with(**no_aws(tmp_path)))
+
+    shared = shared_dvc_remote(repo)
+    assert shared == {"url": url, "endpointurl": s3.endpoint}
+    keys = dvc_remote_keys(repo)
+    assert keys == {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key}
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    assert use_dvc_remote(clone, shared)
+    assert s3.secret_key not in (clone / ".dvc/config.local").read_text()
+    run(["dvc", "pull", "-q"], clone, env=env_with(**no_aws(tmp_path, **keys)))
+    assert (clone / "data.txt").read_text() == "what a trial needs\n"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "set-by-the-user")  # the environment's keys win
+    assert "AWS_ACCESS_KEY_ID" not in dvc_remote_keys(repo)
 
 
 def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):

@@ -21,7 +21,7 @@ from stages.sweep.report import plot, progress, pull, summary
 from stages.sweep.spec import SweepError, load_sweep
 from stages.sweep.study import create_study, optuna_logging_quiet, shown, storage_uri
 from stages.sweep.trial import STORAGE_ENV
-from stages.sweep.worker import last_error, shared_dvc_remote
+from stages.sweep.worker import dvc_remote_keys, last_error, shared_dvc_remote
 
 WORKDIR = Path(".dvc/tmp/sweeps")  # clones and logs of local workers; git and DVC ignore it
 MAX_WORKERS = 256  # a SLURM array's tasks; local workers are bounded by this machine's cores
@@ -53,7 +53,7 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
         parent.log_params({f"sweep.{k}": v for k, v in flat_spec(spec).items()})
         argv = [sys.executable, "-m", "stages.sweep", "worker", "--study", name,
                 "--workdir", str(workdir.resolve())]
-        env = {**os.environ, STORAGE_ENV: uri,
+        env = {**os.environ, **dvc_remote_keys(Path.cwd()), STORAGE_ENV: uri,
                "MLFLOW_TRACKING_URI": tracking.tracking_uri(params.mlflow)}
         engine = Local(argv, workers, log_dir, env) if launcher == "local" else \
             Slurm(argv, workers, log_dir, env, name)

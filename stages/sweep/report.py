@@ -162,3 +162,10 @@ def pull(study, spec: dict) -> None:
     order = "desc" if obj["direction"] == "maximize" else "asc"
     print(f"pulled {len(names)} experiments; sorted by the objective: make exps "
           f"EXPS_SORT={obj['file']}:{obj['metric']} EXPS_ORDER={order}")
+    if has_dvc_remote(Path.cwd()):  # the outputs are on the DVC remote, not only here
+        # As a branch, and only its stage's outputs: the later stages' lines in its dvc.lock
+        # are the sweep commit's, whose outputs the remote may not hold (`dvc exp apply` fails).
+        best = study.best_trial.user_attrs["dvc_exp"]
+        print(f"best: {best}; its outputs on another machine, without training, in a clone of "
+              f"{remote}: dvc exp pull origin {best} && dvc exp branch {best} {best} && "
+              f"git checkout {best} && dvc pull {obj['stage']}")

@@ -197,32 +197,64 @@ def clone_at(remote: str, commit: str, folder: Path) -> Path:
     return folder
 
 
-def shared_dvc_remote(repo: Path) -> str:
-    """The URL of the workspace's default DVC remote, for clones that lack it: one added with
-    `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
-    committing .dvc/config would move HEAD, so earlier experiments leave `make exps`). "" when
-    there is none, or when its URL holds a password (the study's attributes are no place for it)."""
-    import urllib.parse
+# What a worker's clone may be told of the coordinator's DVC remote through the study, which
+# the team's database keeps: where and how to connect (an S3 endpoint, its region, a private
+# CA), never a key.
+SHARED_OPTIONS = ("url", "endpointurl", "region", "profile", "ssl_verify")
+# An S3 remote's keys, which `dvc remote modify --local` keeps in .dvc/config.local (git does
+# not carry it to the workers' clones): they travel in the workers' environment instead, as the
+# variables boto3 reads (local processes inherit it; sbatch exports it to the tasks).
+KEY_ENV = {"access_key_id": "AWS_ACCESS_KEY_ID", "secret_access_key": "AWS_SECRET_ACCESS_KEY",
+           "session_token": "AWS_SESSION_TOKEN"}
 
+
+def default_dvc_remote(repo: Path) -> tuple[str, dict]:
+    """The workspace's default DVC remote, its name and options (.dvc/config and config.local)."""
     from dvc.repo import Repo
 
     with Repo(str(repo)) as r:
-        name = r.config["core"].get("remote")
-        url = r.config["remote"].get(name, {}).get("url", "") if name else ""
-    if urllib.parse.urlsplit(url).password:
+        name = r.config["core"].get("remote") or ""
+        return name, dict(r.config["remote"].get(name, {})) if name else {}
+
+
+def shared_dvc_remote(repo: Path) -> dict[str, str]:
+    """The default DVC remote's URL and connection options, for clones that lack it: one added
+    with `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
+    committing .dvc/config would move HEAD, so earlier experiments leave `make exps`). Empty when
+    there is none, or when its URL holds a password (the study's attributes are no place for it)."""
+    import urllib.parse
+
+    name, conf = default_dvc_remote(repo)
+    if urllib.parse.urlsplit(conf.get("url", "")).password:
         print(f"warning: the DVC remote {name!r} has a password in its URL, so workers get no "
               "DVC remote from here; commit a remote without it", file=sys.stderr)
-        return ""
-    return url
+        return {}
+    return {k: str(conf[k]).lower() if isinstance(conf[k], bool) else str(conf[k])
+            for k in SHARED_OPTIONS if k in conf}
 
 
-def use_dvc_remote(clone: Path, url: str) -> bool:
-    """The clone's own default DVC remote, or else the coordinator's (`url`), as a local one."""
+def dvc_remote_keys(repo: Path) -> dict[str, str]:
+    """The default S3 remote's keys as AWS_* variables for the workers, where the environment
+    does not already set them."""
+    _, conf = default_dvc_remote(repo)
+    if not str(conf.get("url", "")).startswith("s3://"):
+        return {}
+    return {env: str(conf[k]) for k, env in KEY_ENV.items() if k in conf and env not in os.environ}
+
+
+def use_dvc_remote(clone: Path, remote: dict[str, str] | str) -> bool:
+    """The clone's own default DVC remote, or else the coordinator's (`remote`), as a local one.
+    A study made before the options travelled holds the bare URL."""
     if has_dvc_remote(clone):
         return True
+    options = {"url": remote} if isinstance(remote, str) else dict(remote)
+    url = options.pop("url", "")
     if url:
         subprocess.run([dvc(), "remote", "add", "-q", "-d", "--local", "sweep", url], cwd=clone,
                        check=True, capture_output=True)
+        for key, value in options.items():
+            subprocess.run([dvc(), "remote", "modify", "-q", "--local", "sweep", key, value],
+                           cwd=clone, check=True, capture_output=True)
     return bool(url)
 
 
