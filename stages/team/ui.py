@@ -17,10 +17,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,24 +142,38 @@ def main(argv: list[str] | None = None) -> None:
            "--allowed-hosts", hosts, "--workers", "1"]
     # No address yet: one printed before the server answers is one a user opens too early.
     print(f"starting the MLflow UI on port {args.port} (7-60 s; its log: {log})", flush=True)
-    with ThreadPoolExecutor(1) as pool:
-        # The runs table's address (MLflow imported, the store read) while the server starts, so
-        # that both addresses come together once it answers. A store that does not exist yet
-        # has no experiment, and reading it would create it beside the starting server.
-        store = uri.removeprefix("sqlite:///").split("?", 1)[0]  # the default has ?timeout=
-        new = uri.startswith("sqlite:///") and not store.startswith("file:") and \
-            not Path(store).exists()
-        table = pool.submit(lambda: f"{base} (no experiment {cfg.experiment!r} yet: run `make "
-                            "repro` first)" if new else tracking.experiment_url(cfg, base))
-        with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
-                     f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`; its log: "
-                     f"{log}") as server:
-            # The UI's own home page and run links without workflowType open in GenAI mode; this
-            # address is the classic runs table, which MLflow keeps while you click within it.
-            print(f"MLflow UI ready on {base} (Ctrl-C stops it); its home page opens in GenAI "
-                  "mode, the training runs are at:")
-            print(table.result(), flush=True)
-            server.wait()
+    # The runs table's address (MLflow imported, the store read) while the server starts, so
+    # that both addresses come together once it answers. A store that does not exist yet has no
+    # experiment, and reading it would create it beside the starting server.
+    store = uri.removeprefix("sqlite:///").split("?", 1)[0]  # the default has ?timeout=
+    new = uri.startswith("sqlite:///") and not store.startswith("file:") and \
+        not Path(store).exists()
+    table = in_background(lambda: f"{base} (no experiment {cfg.experiment!r} yet: run `make "
+                          "repro` first)" if new else tracking.experiment_url(cfg, base))
+    with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,
+                 f"if port {args.port} is taken, `make ui UI_PORT={args.port + 1}`; its log: "
+                 f"{log}") as server:
+        # The UI's own home page and run links without workflowType open in GenAI mode; this
+        # address is the classic runs table, which MLflow keeps while you click within it.
+        print(f"MLflow UI ready on {base} (Ctrl-C stops it); its home page opens in GenAI "
+              "mode, the training runs are at:")
+        print(table.result(), flush=True)
+        server.wait()
+
+
+def in_background(work: Callable[[], str]) -> Future[str]:
+    """`work` in a daemon thread: a UI that did not start exits at once, where a pool's thread
+    kept it for MLflow's retries of an unreachable store (about 100 s)."""
+    done: Future[str] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
+            done.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return done
 
 
 if __name__ == "__main__":
