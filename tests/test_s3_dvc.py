@@ -199,3 +199,27 @@ def test_a_wrong_or_missing_key_fails_and_make_share_says_so_naming_the_remote(t
         f"set its keys with {keys} and `dvc remote modify --local team secret_access_key SECRET` "
         "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), then rerun `make share`"], p.stderr
     assert {f: (repo / f).read_bytes() for f in before} == before
+
+
+def test_an_experiment_pushed_with_dvc_exp_push_comes_back_on_a_fresh_clone(team, tmp_path):
+    """`dvc exp push` sends the experiment's commit to the git remote and its outputs to the S3
+    remote; a teammate's fresh clone pulls and applies it, byte for byte, running nothing."""
+    origin = tmp_path / "origin.git"
+    run(["git", "clone", "-q", "--bare", str(team.repo), str(origin)], tmp_path)
+    work = tmp_path / "work"  # a teammate's own clone, with the keys of README's recipe
+    run(["git", "clone", "-q", str(origin), str(work)], tmp_path)
+    keys = client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key, AWS_SECRET_ACCESS_KEY=team.secret)
+    run(["dvc", "pull", "-q"], work, env=keys)
+    # Only evaluate reruns (its params changed): cheap, and a new output to share.
+    ran = run(["dvc", "exp", "run", "-n", "eval-10", "-S", "eval.misclassified_max=10"], work,
+              env=keys)
+    assert "Running stage 'evaluate'" in ran.stdout and "Running stage 'train'" not in ran.stdout
+    expected = hashes(work)
+    run(["dvc", "exp", "push", "origin", "eval-10"], work, env=keys)
+
+    other = tmp_path / "other"
+    run(["git", "clone", "-q", str(origin), str(other)], tmp_path)
+    p = run(["bash", "-ec", "dvc exp pull origin eval-10 && dvc exp apply eval-10"], other,
+            env=keys)
+    assert "Running stage" not in p.stdout + p.stderr
+    assert hashes(other) == expected

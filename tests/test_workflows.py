@@ -15,6 +15,7 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 from tests.conftest import ROOT, VENV_BIN, copy_repo, run, set_params
+from tests.support.services import s3  # noqa: F401 - the fixture
 
 WORKFLOWS = ROOT / ".github/workflows"
 # What the runner's actions do, done here: checkout is the clone, setup-python the PATH below.
@@ -68,14 +69,14 @@ def run_job(job: dict, workdir: Path, context: dict[str, str], path: str) -> tup
     home.mkdir()
     base = {"HOME": str(home), "CI": "true", "GITHUB_ACTIONS": "true",
             "GITHUB_WORKSPACE": str(workdir), **{k: str(v) for k, v in files.items()},
-            **{k: str(v) for k, v in job.get("env", {}).items()}}
+            **{k: substitute(str(v), context) for k, v in job.get("env", {}).items()}}
     steps = {}
     for step in job["steps"]:
         if "uses" in step:
             assert step["uses"].split("@")[0] in ACTIONS, f"unknown action {step['uses']}"
             continue
         added = files["GITHUB_PATH"].read_text().split()
-        env = {**base, **{k: str(v) for k, v in step.get("env", {}).items()},
+        env = {**base, **{k: substitute(str(v), context) for k, v in step.get("env", {}).items()},
                "PATH": os.pathsep.join([*reversed(added), path])}
         for line in files["GITHUB_ENV"].read_text().splitlines():
             key, _, val = line.partition("=")
@@ -90,18 +91,24 @@ def run_job(job: dict, workdir: Path, context: dict[str, str], path: str) -> tup
     return files["GITHUB_STEP_SUMMARY"].read_text(), steps
 
 
-def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache(tmp_path):
-    # The user's repo: main with a DVC remote (a local folder here), and a PR that changes lr.
+def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache(tmp_path,
+                                                                                        s3):  # noqa: F811
+    # The user's repo: main with a DVC remote on S3 (a real server on loopback, its URL and
+    # endpoint committed as docs/data.md shows), and a PR that changes lr. The runner gets the
+    # keys from the repository's secrets only.
     base = copy_repo(tmp_path / "base", {"epochs": "3"})  # the workflow, not the model, is tested
-    run(["dvc", "remote", "add", "-d", "storage", str(tmp_path / "dvc-remote")], base)
-    run(["git", "commit", "-qam", "a DVC remote"], base)
+    run(["dvc", "remote", "add", "-d", "team", f"s3://team-dvc/{tmp_path.name}"], base)
+    run(["dvc", "remote", "modify", "team", "endpointurl", s3.endpoint], base)
+    run(["git", "commit", "-qam", "a DVC remote on S3"], base)
     run(["git", "clone", "-q", "--bare", str(base), str(tmp_path / "origin.git")], tmp_path)
     run(["git", "checkout", "-qb", "pr"], base)
     set_params(base / "params.yaml", {"lr": "0.01"})
     run(["git", "commit", "-qam", "lr 0.01"], base)
     run(["git", "push", "-q", str(tmp_path / "origin.git"), "pr"], base)
     head = run(["git", "rev-parse", "HEAD"], base).stdout.strip()
-    context = {"github.event.pull_request.head.sha": head}
+    context = {"github.event.pull_request.head.sha": head,
+               "secrets.AWS_ACCESS_KEY_ID": s3.access_key,
+               "secrets.AWS_SECRET_ACCESS_KEY": s3.secret_key}
     (job,) = workflow("pipeline.yml")["jobs"].values()
     path = setup_python(tmp_path)
 
@@ -139,6 +146,32 @@ def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run
         return sorted(text.split("## Experiments")[0].splitlines())
 
     assert report(summary2) == report(summary)
+    # The secrets stayed in the runner's environment: in no file of either clone, its git
+    # history or its DVC cache.
+    for clone in (tmp_path / "first", tmp_path / "second"):
+        for f in (f for f in clone.rglob("*") if f.is_file() and not f.is_symlink()):
+            assert s3.secret_key.encode() not in f.read_bytes(), f
     pipeline_s = [sum(v["s"] for k, v in r.items() if "pipeline" in k) for r in (first, second)]
     print(f"\npipeline steps: {pipeline_s[0]:.1f} s trained, {pipeline_s[1]:.1f} s restored "
           f"from the remote's run-cache\n--- job summary ---\n{summary}")
+
+
+def test_the_pipeline_uses_a_remote_only_where_the_runner_can_reach_it(tmp_path):
+    """A fork's pull request runs without the repository's secrets: an S3 remote is then left
+    out (the runs train) instead of failing the pull with "Unable to locate credentials"."""
+    (job,) = workflow("pipeline.yml")["jobs"].values()
+    (step,) = [s for s in job["steps"] if "GITHUB_ENV" in s.get("run", "")]
+    cases = [("s3://bucket/dvc", "KEYID", "--pull"), ("s3://bucket/dvc", "", ""),
+             (str(tmp_path / "folder"), "", "--pull"), (None, "KEYID", "")]
+    for i, (url, key, expected) in enumerate(cases):
+        repo = tmp_path / f"repo{i}"
+        run(["git", "init", "-q", str(repo)], tmp_path)
+        run(["dvc", "init", "-q"], repo)
+        if url:
+            run(["dvc", "remote", "add", "-d", "team", url], repo)
+        context = {"secrets.AWS_ACCESS_KEY_ID": key, "secrets.AWS_SECRET_ACCESS_KEY": key}
+        run_job({"env": job["env"], "steps": [step]}, repo, context,
+                f"{VENV_BIN}{os.pathsep}{SYSTEM_PATH}")
+        written = (tmp_path / f"repo{i}-github/github_env").read_text()
+        assert written == f"PULL={expected}\n", (url, key, written)
+
