@@ -4,7 +4,9 @@ asserted: on shared machines they are noise; the ratios are for the report."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +70,40 @@ def test_pipeline_bench_splits_a_real_stage_run_into_its_parts(tmp_path):
                        "loop_s": 2.0, "overhead_s": 8.0, "overhead_per_loop": 4.0}}
     text = bench_pipeline.markdown(report, "a CPU", 1)
     assert "| HEAD | prepare |" in text and "overhead 8.0 s = 4.00x the loop" in text
+
+
+def test_storage_bench_times_both_remotes_and_leaves_nothing_behind(tmp_path):
+    """A 2 MiB dataset and no training: both remotes' rows, then neither its temporary folder nor
+    its S3 server (weed) is left."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "storage.md"
+    p = run([sys.executable, "-m", "stages.bench.storage", "--no-model", "--size-mb", "2",
+             "--file-kb", "64", "--out", str(out)], ROOT,
+            env=env_with(PYTHONPATH=str(ROOT), TMPDIR=str(tmp)))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| 2 MiB dataset")]
+    assert [r[0].split(": ", 1)[1] for r in rows] == ["`dvc push`", "fresh clone, `dvc pull`"]
+    for _, folder, s3, ratio in rows:
+        assert float(s3.removesuffix(" s")) / float(folder.removesuffix(" s")) == pytest.approx(
+            float(ratio), abs=0.3)  # the cells are rounded to 0.1 s
+    assert "Model name" not in out.read_text() and "cores" in out.read_text()
+    pid = int(re.search(r"weed pid (\d+), in (\S+)", p.stderr)[1])
+    assert not Path(f"/proc/{pid}").exists()
+    assert list(tmp.iterdir()) == []  # its folder, DVC's site cache and weed's sockets were in it
+
+
+def test_storage_report_puts_training_beside_the_s3_restore():
+    from stages.bench.storage import markdown
+
+    both = {"folder": [2.0], "s3": [3.0]}
+    samples = {f"{k}/{r}": v for k in ("share", "exp_pull", "pull", "clone_restore", "data_push",
+                                       "data_pull") for r, v in both.items()}
+    report = {"samples": samples | {"clone_restore/s3": [4.0], "train": [100.0]}, "repeats": 1,
+              "cpu": "a CPU", "outputs": {"files": 21, "mb": 0.9},
+              "dataset": {"files": 4096, "mb": 1024, "file_kb": 256, "add_s": 9.0}}
+    text = markdown(report)
+    assert "| pipeline outputs (21 files, 0.9 MiB): push (`make share`) | 2.0 s | 3.0 s | 1.50 |" in text
+    assert "| 1 GiB dataset (4096 files of 128-384 KiB): `dvc push` |" in text
+    assert "| `git clone` to a restored model (`dvc exp run --pull`) | 2.0 s | 4.0 s | 2.00 |" in text
+    assert "training takes 25.0x the S3 restore" in text and "a CPU; one run" in text
