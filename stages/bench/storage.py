@@ -72,14 +72,15 @@ def cpu_label() -> str:
 def bench_env(tmp: Path, s3: s3_server.S3) -> dict[str, str]:
     """The caller's environment less its DVC, MLflow and AWS settings; this venv first on the
     PATH (DVC runs stage commands with it); the server's keys and nothing from ~/.aws; DVC's
-    site cache and torch's in our folder, so nothing stays behind and no repeat reads another's."""
+    site cache and the commands' temporary files (torch's inductor cache, a `.ses` file that one
+    of the stages leaves) in our folder, so nothing stays behind and no repeat reads another's."""
+    (tmp / "tmp").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DVC_", "MLFLOW_", "AWS_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env |= GIT_ID | s3.env() | {
         "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "no-aws"),
         "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws"),
-        "DVC_SITE_CACHE_DIR": str(tmp / "dvc-site-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "torchinductor")}  # torch's import makes it
+        "DVC_SITE_CACHE_DIR": str(tmp / "dvc-site-cache"), "TMPDIR": str(tmp / "tmp")}
     env.pop("MLFLOW_S3_ENDPOINT_URL")  # the stages log to the clone's own sqlite store
     return env
 
