@@ -4,16 +4,17 @@ has the figures and the command).
 
 Rows, each timed on both remotes, S3 over the folder in the last column:
 - the default pipeline's outputs (params.yaml as committed): `make share` from the clone that
-  trained them; a fresh clone's `dvc exp run --pull` at the commit that added the remotes (its
-  dvc.lock is another run's, as README's recipe has it) and `dvc pull` at the committed run;
+  trained them; a fresh clone's `dvc exp run --pull` at the commit that added the remotes, before
+  the run's (README's recipe), and `dvc pull` at the run's commit;
 - a folder dataset (`data/raw/images/`, random bytes of photo-like sizes from a fixed seed,
   `dvc add`ed): `dvc push` and a fresh clone's `dvc pull`;
 - from `git clone` to a restored model through the run-cache, against training it (`git clone`
   and `dvc repro` with no remote).
 
 Every repeat starts from nothing: a clone of HEAD that trains, its own S3 server and remote
-folder. Everything lives in one temporary folder (DVC's site cache too), removed at the end, and
-the dataset's copies are deleted as soon as no row needs them, so the disk holds about four.
+folder. Everything lives in one temporary folder (DVC's site cache and the commands' TMPDIR
+too), removed at the end, and the dataset's copies are deleted as soon as no row needs them, so
+the disk holds about four of them at a time.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ GIT_ID = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@reprotrain.inva
 # Row keys, in the table's order, with their labels.
 MODEL_ROWS = {
     "share": "pipeline outputs: push (`make share`)",
-    "exp_pull": "pipeline outputs: fresh clone, `dvc exp run --pull` (another run's dvc.lock)",
-    "pull": "pipeline outputs: fresh clone, `dvc pull` (the committed run)",
+    "exp_pull": "pipeline outputs: fresh clone at the remotes' commit, `dvc exp run --pull`",
+    "pull": "pipeline outputs: fresh clone at the run's commit, `dvc pull`",
 }
 DATA_ROWS = {
     "data_push": "dataset: `dvc push`",
@@ -133,7 +134,7 @@ def digest(folder: Path) -> str:
 
 def add_remotes(project: Path, env: dict[str, str], s3: s3_server.S3, folder: Path) -> str:
     """Both remotes in the project's committed .dvc/config (the keys stay in the environment);
-    returns that commit, whose dvc.lock is not the project's run."""
+    returns that commit: README's recipe restores at it, before the run is committed."""
     timed(dvc("remote", "add", "folder", str(folder)), project, env)
     timed(dvc("remote", "add", "s3", f"s3://{BUCKET}/dvc"), project, env)
     timed(dvc("remote", "modify", "s3", "endpointurl", s3.endpoint), project, env)
