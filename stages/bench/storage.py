@@ -256,7 +256,7 @@ def markdown(report: dict) -> str:
     s, d, o = report["samples"], report.get("dataset"), report.get("outputs")
     n = report["repeats"]
     lines = [f"DVC remote in a local folder against S3 on loopback (SeaweedFS `weed mini`), "
-             f"{report['cpu']}; {'median (min-max) of ' + str(n) + ' runs' if n > 1 else 'one run'}"
+             f"{report['cpu']}; {'median (min-max) of ' + str(n) + ' repeats' if n > 1 else 'one run'}"
              ".", "", "| what | folder remote | S3 on loopback | S3 / folder |", "|---|---|---|---|"]
     # What was moved, said once: in the first row of its group.
     labels = dict(MODEL_ROWS)
