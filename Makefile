@@ -147,6 +147,9 @@ bench-pipeline: setup ## the four stages timed part by part (start-up, tracking,
 bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
 	$(PY) -m stages.bench.serving
 
+bench-storage: setup ## DVC on a folder remote vs S3 on loopback: the pipeline's outputs and a 1 GiB dataset
+	$(PY) -m stages.bench.storage
+
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
 # in one run for a lent GPU machine. Its python may come with the requirements already:
 # `make gpu-check PY=python3` then skips creating .venv (that needs PyPI).
