@@ -47,6 +47,7 @@ class S3:
     # The gRPC sockets weed always makes as /tmp/seaweedfs-<service>-grpc-<port>.sock.
     grpc_sockets: tuple[Path, ...]
     started: float
+    ca: Path | None = None  # the private CA that signed its certificate, when it serves HTTPS
 
     def env(self) -> dict[str, str]:
         """What a client (DVC, boto3, the MLflow server) needs to reach it."""
@@ -87,9 +88,54 @@ def identities(folder: Path) -> tuple[str, str]:
     return cred["accessKey"], cred["secretKey"]
 
 
-def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",)) -> S3:
+def self_signed(folder: Path) -> tuple[Path, Path, Path]:
+    """A private CA and a certificate it signs for 127.0.0.1 and localhost, made once in
+    `folder`: (ca.pem, cert.pem, key.pem). What a team's in-house S3 often has, which no client
+    trusts until told to."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_pem, cert_pem, key_pem = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    if key_pem.exists():
+        return ca_pem, cert_pem, key_pem
+    now = datetime.datetime.now(datetime.UTC)
+
+    def signed(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certificate:
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=365))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+                critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_pem.write_bytes(signed("reprotrain test CA", ca_key, "reprotrain test CA", ca_key, True)
+                       .public_bytes(serialization.Encoding.PEM))
+    cert_pem.write_bytes(signed("127.0.0.1", key, "reprotrain test CA", ca_key, False)
+                         .public_bytes(serialization.Encoding.PEM))
+    fd = os.open(key_pem, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return ca_pem, cert_pem, key_pem
+
+
+def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",),
+          tls: bool = False) -> S3:
     """weed mini on 127.0.0.1:`port` (a free one if 0), answering S3 requests, its data and logs
-    in `folder`; telemetry off, so no traffic leaves the machine."""
+    in `folder`; telemetry off, so no traffic leaves the machine. With `tls`, S3 is HTTPS only,
+    with a certificate from a private CA (`S3.ca`, in `folder/tls`)."""
     if any(len(b) < 3 for b in buckets):
         raise UserError(f"S3 bucket names are 3 to 63 characters: {buckets}")
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -111,12 +157,18 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
            f"-s3.config={folder / 'identities.json'}", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-bucket={','.join(buckets)}", *extra]
+    ca = None
+    if tls:
+        (folder / "tls").mkdir(mode=0o700, exist_ok=True)
+        ca, cert, tls_key = self_signed(folder / "tls")
+        cmd += [f"-s3.cert.file={cert}", f"-s3.key.file={tls_key}"]
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
-    s3 = S3(endpoint=f"http://127.0.0.1:{port}", access_key=key, secret_key=secret,
-            buckets=buckets, proc=proc, folder=folder, sockets=sockets, started=started,
+    s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
+            secret_key=secret, buckets=buckets, proc=proc, folder=folder, sockets=sockets,
+            started=started, ca=ca,
             grpc_sockets=tuple(Path(f"/tmp/seaweedfs-{name}-grpc-{p}.sock") for name, p in grpc))
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
@@ -140,6 +192,7 @@ def answers(s3: S3) -> bool:
 
     client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
                           aws_secret_access_key=s3.secret_key, region_name="us-east-1",
+                          verify=str(s3.ca) if s3.ca else None,
                           config=Config(retries={"max_attempts": 1}, connect_timeout=2,
                                         read_timeout=5))
     try:
