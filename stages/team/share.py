@@ -35,7 +35,9 @@ def main() -> None:
         url = repo.config["remote"].get(name, {}).get("url")
         remote = f"the DVC remote {name!r} ({url})"
         try:
-            print(push(repo))
+            if str(url).startswith("s3://"):
+                check_bucket(repo, name, url)
+            print(push(repo, problems))
         except NoRemoteError:
             raise ShareError("no DVC remote to share to: add one with `dvc remote add -d NAME "
                              "URL` (a folder, s3://..., ssh://...), then rerun `make share`") from None
@@ -48,6 +50,8 @@ def main() -> None:
         except s3_no_credentials():
             raise ShareError(f"{remote} needs credentials and this machine has none: "
                              f"{set_keys(name)}") from None
+        except s3_unreachable() as e:  # down, or gone mid-push: botocore's traceback, before
+            raise ShareError(unreachable(repo, name, remote, e)) from None
         except (DvcException, OSError) as e:  # OSError: a folder remote under a file, ...
             why = next((f" ({r.exc_info[1] if r.exc_info else r.getMessage()})"
                         for r in problems if r.levelno >= logging.ERROR), "")
@@ -70,6 +74,52 @@ def s3_no_credentials() -> tuple[type[Exception], ...]:
     except ImportError:  # no dvc-s3: no S3 remote could have got this far
         return ()
     return (NoCredentialsError,)
+
+
+def s3_unreachable() -> tuple[type[Exception], ...]:
+    """botocore's errors for an endpoint that does not answer, drops the connection or whose
+    certificate is not trusted (SSLError is one of its ConnectionErrors)."""
+    try:
+        from botocore.exceptions import ConnectionError, HTTPClientError
+    except ImportError:
+        return ()
+    return (ConnectionError, HTTPClientError)
+
+
+def endpoint(repo, name: str) -> str:
+    return repo.config["remote"][name].get("endpointurl") or "AWS S3"
+
+
+def unreachable(repo, name: str, remote: str, e: Exception) -> str:
+    from botocore.exceptions import SSLError
+
+    where = endpoint(repo, name)
+    if isinstance(e, SSLError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+        return (f"{remote}: the certificate of {where} is not trusted (signed by a CA this "
+                "machine does not know): give that CA's certificate with `export "
+                f"AWS_CA_BUNDLE=/path/ca.pem` or `dvc remote modify --local {name} ssl_verify "
+                "/path/ca.pem`, then rerun `make share`")
+    return (f"could not reach {remote} at {where} ({type(e).__name__}): is the S3 server up? "
+            f"Check the address (`dvc remote modify {name} endpointurl URL`), then rerun `make "
+            "share`: what this push sent stays there, and a rerun sends the rest")
+
+
+def check_bucket(repo, name: str, url: str) -> None:
+    """The bucket answers, before anything is sent: DVC's run-cache upload (s3fs) creates a
+    missing bucket where the keys may, so a typo in the URL would make a new bucket, and
+    where they may not, it logs one error per file and carries on."""
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    s3 = repo.cloud.get_remote(name).fs.fs  # s3fs, with the remote's keys, endpoint and CA
+    try:
+        s3.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        raise ShareError(f"the DVC remote {name!r} ({url}) names the bucket {bucket!r}, which "
+                         f"does not exist on {endpoint(repo, name)}: create it (`aws s3 mb "
+                         f"s3://{bucket}`, or ask whoever runs the S3 server) or point the remote "
+                         f"at one that does (`dvc remote modify {name} url s3://BUCKET/PATH`), "
+                         "then rerun `make share`") from None
+    except (PermissionError, *s3_no_credentials()):
+        pass  # the push says which key is wrong, in more words than a HEAD gets back
 
 
 def set_keys(name: str) -> str:
@@ -95,10 +145,14 @@ def dvc_problems() -> Iterator[list[logging.LogRecord]]:
             logger.handlers = handlers
 
 
-def push(repo) -> str:
+def push(repo, problems: list[logging.LogRecord]) -> str:
+    """The outputs, then the files the run-cache names, then the run-cache entries: an
+    entry on the remote only once what it names is there, so another machine that finds an
+    entry finds its files, even after a push that stopped halfway."""
+    from dvc.exceptions import UploadError
     from dvc_data.hashfile.hash_info import HashInfo
 
-    repo.push(run_cache=True)
+    repo.push()
     runs = repo.cache.legacy.fs.join(repo.cache.legacy.path, "runs")
     outs = [out for entry in repo.cache.legacy.fs.find(runs)
             for out in (YAML(typ="safe").load(repo.cache.legacy.fs.read_text(entry)) or {})
@@ -106,8 +160,14 @@ def push(repo) -> str:
     objects = {HashInfo(out.get("hash", "md5"), out["md5"]) for out in outs
                if "md5" in out and not out["md5"].endswith(".dir")}  # dirs: pushed above
     result = repo.cloud.push(objects)
-    return (f"pushed the run-cache and {len(result.transferred)} more files it needs "
-            f"({len(objects)} outputs named in it)")
+    if result.failed:
+        raise UploadError(len(result.failed))
+    errors = sum(r.levelno >= logging.ERROR for r in problems)
+    entries = repo.stage_cache.push(None)  # logs a failed entry and goes on: counted here
+    if sum(r.levelno >= logging.ERROR for r in problems) > errors:
+        raise UploadError(sum(r.levelno >= logging.ERROR for r in problems) - errors)
+    return (f"pushed the run-cache ({len(entries)} entries) and {len(result.transferred)} more "
+            f"files it needs ({len(objects)} outputs named in it)")
 
 
 if __name__ == "__main__":
