@@ -100,3 +100,121 @@ def test_a_missing_bucket_is_one_line_naming_it_and_is_not_created(s3, tmp_path)
         "that does (`dvc remote modify team url s3://BUCKET/PATH`), then rerun `make share`")
     # Before, the run-cache's upload (s3fs) made the bucket with these keys, and pushed there.
     assert "no-such-bucket" not in {b["Name"] for b in client(s3).list_buckets()["Buckets"]}
+
+
+@pytest.fixture
+def own_s3(tmp_path):
+    """A server of this test's own, to stop, kill or serve over TLS."""
+    servers: list[S3] = []
+
+    def make(tls: bool = False, port: int = 0) -> S3:
+        servers.append(start(tmp_path / "s3", port, ("team-dvc",), tls=tls))
+        return servers[-1]
+    yield make
+    for server in servers:
+        stop(server)
+
+
+def test_a_private_ca_is_one_line_naming_both_ways_to_trust_it_and_either_works(own_s3, tmp_path):
+    tls = own_s3(tls=True)
+    w = workspace(tmp_path / "w", tls, "s3://team-dvc/tls")
+    p = run(["dvc", "push"], w, env=client_env(tmp_path), check=False)
+    assert p.returncode == 255 and "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: " \
+        "unable to get local issuer certificate" in p.stderr, p.stderr
+
+    assert one_line(share(w)) == (
+        f"error: the DVC remote 'team' (s3://team-dvc/tls): the certificate of {tls.endpoint} is "
+        "not trusted (signed by a CA this machine does not know): give that CA's certificate "
+        "with `export AWS_CA_BUNDLE=/path/ca.pem` or `dvc remote modify --local team ssl_verify "
+        "/path/ca.pem`, then rerun `make share`")
+    assert not keys(tls, "team-dvc")
+
+    p = share(w, AWS_CA_BUNDLE=str(tls.ca))
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert any(k.startswith("tls/runs/") for k in keys(tls, "team-dvc"))
+    # ssl_verify in the clone's own config.local, no variable: the pull restores the files.
+    run(["dvc", "remote", "modify", "--local", "team", "ssl_verify", str(tls.ca)], w)
+    assert pulled(w, tmp_path / "clone").returncode == 0
+    assert files(tmp_path / "clone") == files(w) != {}
+
+
+def start_server(artifacts: str, env: dict[str, str], tmp: Path) -> subprocess.CompletedProcess:
+    """`make server ARTIFACTS=...` with the server's storage env; the database is never reached
+    (the bucket is checked before it), so none is needed."""
+    return run([sys.executable, "-m", "stages.team.server", "--db",
+                f"postgresql://mlflow@127.0.0.1:{free_port()}/mlflow", "--artifacts", artifacts,
+                "--port", str(free_port()), "--workers", "1"], ROOT, check=False, timeout=120,
+               env={k: v for k, v in server_env("admin", "pw-" + "x" * 20).items()
+                    if not k.startswith(("AWS_", "MLFLOW_S3_"))} | client_env(tmp) | env)
+
+
+def test_make_server_checks_its_artifact_bucket_before_it_is_ready(s3, tmp_path):  # noqa: F811
+    where = s3.endpoint
+    for artifacts, env, expected in (
+        ("s3://no-such-bucket/mlflow", s3.env(),
+         f"error: ARTIFACTS=s3://no-such-bucket/mlflow: the bucket 'no-such-bucket' does not "
+         f"exist on {where}: create it (`aws s3 mb s3://no-such-bucket`, or ask whoever runs the "
+         "S3 server) or fix ARTIFACTS (and MLFLOW_S3_ENDPOINT_URL)"),
+        ("s3://team-mlflow/mlflow", s3.env() | {"AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+         f"error: ARTIFACTS=s3://team-mlflow/mlflow: {where} refused the server's keys for the "
+         "bucket 'team-mlflow' (403): set the server's AWS_ACCESS_KEY_ID and "
+         "AWS_SECRET_ACCESS_KEY (or a profile, or the machine's role) to keys that may write there"),
+        ("s3://team-mlflow/mlflow", {"MLFLOW_S3_ENDPOINT_URL": s3.endpoint},
+         f"error: ARTIFACTS=s3://team-mlflow/mlflow: the server has no keys for {where}: set the "
+         "server's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the machine's "
+         "role) to keys that may write there"),
+        ("s3://team-mlflow/mlflow", s3.env() | {"MLFLOW_S3_ENDPOINT_URL": "http://127.0.0.1:1"},
+         "error: ARTIFACTS=s3://team-mlflow/mlflow: cannot reach http://127.0.0.1:1 "
+         "(EndpointConnectionError): is the S3 server up, and MLFLOW_S3_ENDPOINT_URL its "
+         "address?"),
+    ):
+        p = start_server(artifacts, env, tmp_path)
+        assert one_line(p) == expected, p.stderr
+        assert "ready" not in p.stdout and "mlflow db upgrade" not in p.stdout, p.stdout
+
+
+def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_s3, tmp_path):
+    """`make share` killed mid-push (Ctrl-C, a closed laptop): every object on the remote is
+    whole (one PUT each), no .dir manifest without all its files, no run-cache entry without
+    its outputs; a pull of that says what is missing; a rerun sends the rest. Then the server
+    stopped: one line naming the remote."""
+    import json
+
+    server = own_s3()
+    w = workspace(tmp_path / "w", server, "s3://team-dvc/kill", files=600, size=2000)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.team.share"], cwd=w,
+                            env=client_env(tmp_path, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(keys(server, "team-dvc", "kill/files/")) < 50:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    objects = keys(server, "team-dvc", "kill/")
+    assert 50 <= len(objects) < 600, len(objects)
+    assert not [k for k in objects if k.startswith("kill/runs/")], objects
+    for k in objects:
+        if k.endswith(".dir"):
+            body = client(server).get_object(Bucket="team-dvc", Key=k)["Body"].read()
+            for entry in json.loads(body):
+                assert f"kill/files/md5/{entry['md5'][:2]}/{entry['md5'][2:]}" in objects, k
+    half = pulled(w, tmp_path / "half")
+    # DVC's words: the manifest is missing, so nothing of out/ is checked out.
+    assert half.returncode == 1 and not (tmp_path / "half/out").exists(), half.stderr
+    assert "Missing cache files:\nmd5: " in half.stderr and "ERROR: failed to pull data from " \
+        "the cloud - Checkout failed for following targets:\nout" in half.stderr, half.stderr
+
+    assert share(w).returncode == 0
+    assert any(k.startswith("kill/runs/") for k in keys(server, "team-dvc", "kill/"))
+    assert pulled(w, tmp_path / "whole").returncode == 0
+    assert files(tmp_path / "whole") == files(w) != {}
+
+    stop(server)
+    (w / "data/new.bin").write_bytes(b"more")
+    run(["dvc", "repro", "-q"], w)
+    assert one_line(share(w)) == (
+        f"error: could not reach the DVC remote 'team' (s3://team-dvc/kill) at {server.endpoint} "
+        "(EndpointConnectionError): is the S3 server up? Check the address (`dvc remote modify "
+        "team endpointurl URL`), then rerun `make share`: what this push sent stays there, and "
+        "a rerun sends the rest")
