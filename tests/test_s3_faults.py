@@ -218,3 +218,55 @@ def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_
         "(EndpointConnectionError): is the S3 server up? Check the address (`dvc remote modify "
         "team endpointurl URL`), then rerun `make share`: what this push sent stays there, and "
         "a rerun sends the rest")
+
+
+def weed_shell(s3: S3, commands: str) -> str:  # noqa: F811
+    """`weed shell` on the server's master and filer (their gRPC ports are not port + 10000)."""
+    args = dict(a.lstrip("-").split("=", 1) for a in s3.proc.args if a.startswith("-") and "=" in a)
+    p = subprocess.run([s3.proc.args[0], "shell",
+                        f"-master=127.0.0.1:{args['master.port']}.{args['master.port.grpc']}",
+                        f"-filer=127.0.0.1:{args['filer.port']}.{args['filer.port.grpc']}"],
+                       input=commands, capture_output=True, text=True, timeout=60, check=True)
+    return p.stdout
+
+
+def enforce(s3: S3, change: str) -> None:  # noqa: F811
+    """`s3.bucket.quota.enforce -apply` once its dry run sees the change: the master learns the
+    bucket's size from the volumes' heartbeats, seconds after the write."""
+    deadline = time.monotonic() + 60
+    while f"changing bucket team-full to {change}" not in (out := weed_shell(
+            s3, "s3.bucket.list\ns3.bucket.quota.enforce\n")):
+        assert time.monotonic() < deadline, out
+        time.sleep(1)
+    weed_shell(s3, "s3.bucket.quota.enforce -apply\n")
+
+
+def test_a_bucket_over_its_quota_is_one_line_and_the_push_completes_once_freed(s3, tmp_path):  # noqa: F811
+    """SeaweedFS's quota: `s3.bucket.quota.enforce -apply` makes a bucket over it read-only (and
+    writable again once under); a write then gets `InternalError`, 500."""
+    c = client(s3)
+    c.create_bucket(Bucket="team-full")
+    c.put_object(Bucket="team-full", Key="filler", Body=os.urandom(2_000_000))
+    weed_shell(s3, "s3.bucket.quota -name team-full -op set -sizeMB 1\n"
+                   "s3.bucket.quota -name team-full -op enable\n")
+    enforce(s3, "read only!")
+    w = workspace(tmp_path / "w", s3, "s3://team-full/dvc")
+
+    # DVC's words: one line per file, none naming the bucket or the quota.
+    p = run(["dvc", "push"], w, env=client_env(tmp_path), check=False)
+    assert p.returncode == 1 and p.stderr.endswith(
+        "ERROR: failed to push data to the cloud - 6 files failed to upload\n"), p.stderr
+    assert "[Errno 121] We encountered an internal error, please try again.: An error occurred " \
+        "(InternalError) when calling the PutObject operation (reached max retries: 4)" in p.stderr
+
+    assert one_line(share(w)) == (
+        "error: the DVC remote 'team' (s3://team-full/dvc) would not store the files: 6 files "
+        f"failed to upload (InternalError from {s3.endpoint}), which a bucket over its quota or a "
+        "full disk answers: free space in the bucket 'team-full' or have its quota raised, then "
+        "rerun `make share`: what this push sent stays there, and a rerun sends the rest")
+    assert keys(s3, "team-full") == {"filler"}
+
+    c.delete_object(Bucket="team-full", Key="filler")
+    enforce(s3, "writable.")
+    assert share(w).returncode == 0
+    assert any(k.startswith("dvc/runs/") for k in keys(s3, "team-full"))

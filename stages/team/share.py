@@ -60,11 +60,39 @@ def main() -> None:
             if isinstance(e, PermissionError) and str(url).startswith("s3://"):
                 raise ShareError(f"{remote} refused this machine's credentials: {e}{why}; "
                                  f"{set_keys(name)}") from None
+            full = storage_refused(problems) if str(url).startswith("s3://") else None
+            if full:
+                bucket = url.removeprefix("s3://").split("/", 1)[0]
+                raise ShareError(f"{remote} would not store the files: {e} ({full} from "
+                                 f"{endpoint(repo, name)}), which a bucket over its quota or a "
+                                 f"full disk answers: free space in the bucket {bucket!r} or have "
+                                 "its quota raised, then rerun `make share`: what this push sent "
+                                 "stays there, and a rerun sends the rest") from None
             raise ShareError(f"could not push to {remote}: {e}{why}; check its URL and that "
                              "this machine reaches it (`dvc remote list`, `dvc remote modify`)"
                              ) from None
     for record in problems:  # the warnings of a push that worked
         print(f"WARNING: {record.getMessage()}", file=sys.stderr)
+
+
+# What S3 servers answer a write they have no room for: Ceph's quota, MinIO's quota and full
+# disk, a 507; SeaweedFS 4.48 answers a bucket over its quota (made read-only by
+# `s3.bucket.quota.enforce`) with a bare InternalError, its log saying "bucket over quota".
+FULL = ("QuotaExceeded", "XMinioAdminBucketQuotaExceeded", "XMinioStorageFull",
+        "InsufficientStorage", "InternalError")
+
+
+def storage_refused(problems: list[logging.LogRecord]) -> str | None:
+    """The S3 error code of the first upload the server refused for want of room, if that is
+    why the push failed (s3fs keeps the code only in the botocore error it wraps)."""
+    for record in problems:
+        error = record.exc_info[1] if record.exc_info else None
+        while error is not None:
+            code = getattr(error, "response", {}).get("Error", {}).get("Code")
+            if code in FULL:
+                return code
+            error = error.__cause__
+    return None
 
 
 def s3_no_credentials() -> tuple[type[Exception], ...]:
