@@ -91,6 +91,44 @@ def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tupl
     return artifacts, user
 
 
+def check_bucket(artifacts: str) -> None:
+    """An s3:// destination answers with the server's keys before the server is reported ready:
+    otherwise every upload fails later, one client at a time, each with its own warning."""
+    parts = urlsplit(artifacts)
+    if parts.scheme != "s3":
+        return
+    import boto3
+    import botocore.exceptions as boto
+    from botocore.config import Config
+
+    bucket, where = parts.netloc, os.environ.get("MLFLOW_S3_ENDPOINT_URL") or "AWS S3"
+    keys = ("set the server's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile, or the "
+            "machine's role) to keys that may write there")
+    try:
+        boto3.client("s3", endpoint_url=os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None,
+                     config=Config(retries={"max_attempts": 2}, connect_timeout=5,
+                                   read_timeout=20)).head_bucket(Bucket=bucket)
+    except boto.ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code"))
+        if code in ("404", "NoSuchBucket"):
+            raise UserError(f"ARTIFACTS={artifacts}: the bucket {bucket!r} does not exist on "
+                            f"{where}: create it (`aws s3 mb s3://{bucket}`, or ask whoever runs "
+                            "the S3 server) or fix ARTIFACTS (and MLFLOW_S3_ENDPOINT_URL)") from None
+        if code in ("403", "401", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise UserError(f"ARTIFACTS={artifacts}: {where} refused the server's keys for the "
+                            f"bucket {bucket!r} ({code}): {keys}") from None
+        raise UserError(f"ARTIFACTS={artifacts}: {where} answered {code} for the bucket "
+                        f"{bucket!r}: check the bucket and MLFLOW_S3_ENDPOINT_URL") from None
+    except boto.NoCredentialsError:
+        raise UserError(f"ARTIFACTS={artifacts}: the server has no keys for {where}: {keys}") from None
+    except boto.SSLError:
+        raise UserError(f"ARTIFACTS={artifacts}: the certificate of {where} is not trusted: give "
+                        "the server its CA's certificate with AWS_CA_BUNDLE=/path/ca.pem") from None
+    except (boto.ConnectionError, boto.HTTPClientError) as e:
+        raise UserError(f"ARTIFACTS={artifacts}: cannot reach {where} ({type(e).__name__}): is "
+                        "the S3 server up, and MLFLOW_S3_ENDPOINT_URL its address?") from None
+
+
 def check_port(host: str, port: int) -> None:
     """Another server on the port would answer /health in this one's place."""
     try:
@@ -234,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.port.isdigit() or not 0 < int(args.port) < 65536:
         raise UserError(f"PORT={args.port!r} is not a port: `make server PORT=5000 ...`")
     args.port = int(args.port)
+    check_bucket(artifacts)
     check_port(args.host, args.port)
     print(f"mlflow db upgrade {masked_uri(args.db)}", flush=True)
     upgrade(args.db)

@@ -60,6 +60,10 @@ def main() -> None:
             if isinstance(e, PermissionError) and str(url).startswith("s3://"):
                 raise ShareError(f"{remote} refused this machine's credentials: {e}{why}; "
                                  f"{set_keys(name)}") from None
+            gone = next((r.exc_info[1] for r in problems if r.levelno >= logging.ERROR and
+                         r.exc_info and isinstance(r.exc_info[1], s3_unreachable())), None)
+            if gone is not None:  # the server went away mid-push: each file failed alike
+                raise ShareError(unreachable(repo, name, remote, gone)) from None
             full = storage_refused(problems) if str(url).startswith("s3://") else None
             if full:
                 bucket = url.removeprefix("s3://").split("/", 1)[0]
