@@ -290,6 +290,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_a_sweep_never_shows_or_tags_its_storages_password",
     ),
     "test_s3_dvc.py": "*",
+    "test_s3_faults.py": "*",
     "test_s3_mlflow.py": "*",
     "test_serving.py": "*",
     "test_server.py": "*",
