@@ -137,21 +137,23 @@ def unreachable(repo, name: str, remote: str, e: Exception) -> str:
 
 
 def check_bucket(repo, name: str, url: str) -> None:
-    """The bucket answers, before anything is sent: DVC's run-cache upload (s3fs) creates a
+    """The bucket answers these keys, before anything is sent: DVC's run-cache upload (s3fs) creates a
     missing bucket where the keys may, so a typo in the URL would make a new bucket, and
     where they may not, it logs one error per file and carries on."""
     bucket = url.removeprefix("s3://").split("/", 1)[0]
     s3 = repo.cloud.get_remote(name).fs.fs  # s3fs, with the remote's keys, endpoint and CA
     try:
-        s3.call_s3("head_bucket", Bucket=bucket)
+        # A listing, not a HEAD: a refusal then comes with S3's reason in its body.
+        s3.call_s3("list_objects_v2", Bucket=bucket, MaxKeys=1)
     except FileNotFoundError:
         raise ShareError(f"the DVC remote {name!r} ({url}) names the bucket {bucket!r}, which "
                          f"does not exist on {endpoint(repo, name)}: create it (`aws s3 mb "
                          f"s3://{bucket}`, or ask whoever runs the S3 server) or point the remote "
                          f"at one that does (`dvc remote modify {name} url s3://BUCKET/PATH`), "
                          "then rerun `make share`") from None
-    except (PermissionError, *s3_no_credentials()):
-        pass  # the push says which key is wrong, in more words than a HEAD gets back
+    except PermissionError as e:  # s3fs's 403: a wrong secret, an unknown key, no right to list
+        raise ShareError(f"the DVC remote {name!r} ({url}) refused this machine's credentials: "
+                         f"Forbidden ({e}); {set_keys(name)}") from None
 
 
 def set_keys(name: str) -> str:
