@@ -137,9 +137,9 @@ def unreachable(repo, name: str, remote: str, e: Exception) -> str:
 
 
 def check_bucket(repo, name: str, url: str) -> None:
-    """The bucket answers these keys, before anything is sent: DVC's run-cache upload (s3fs) creates a
-    missing bucket where the keys may, so a typo in the URL would make a new bucket, and
-    where they may not, it logs one error per file and carries on."""
+    """The bucket answers these keys, before anything is sent: DVC's run-cache upload (s3fs)
+    creates a missing bucket where the keys may, so a typo in the URL would make a new bucket,
+    and where they may not, it logs one error per file and carries on."""
     bucket = url.removeprefix("s3://").split("/", 1)[0]
     s3 = repo.cloud.get_remote(name).fs.fs  # s3fs, with the remote's keys, endpoint and CA
     try:
@@ -184,6 +184,7 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
     entry on the remote only once what it names is there, so another machine that finds an
     entry finds its files, even after a push that stopped halfway."""
     from dvc.exceptions import UploadError
+    from dvc.stage.cache import RunCacheNotSupported
     from dvc_data.hashfile.hash_info import HashInfo
 
     repo.push()
@@ -197,7 +198,10 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
     if result.failed:
         raise UploadError(len(result.failed))
     errors = sum(r.levelno >= logging.ERROR for r in problems)
-    entries = repo.stage_cache.push(None)  # logs a failed entry and goes on: counted here
+    try:
+        entries = repo.stage_cache.push(None)  # logs a failed entry and goes on: counted here
+    except RunCacheNotSupported:  # an http remote: `dvc push --run-cache` skips it too
+        entries = []
     if sum(r.levelno >= logging.ERROR for r in problems) > errors:
         raise UploadError(sum(r.levelno >= logging.ERROR for r in problems) - errors)
     return (f"pushed the run-cache ({len(entries)} entries) and {len(result.transferred)} more "
