@@ -1,11 +1,13 @@
 """`make s3`: a real S3 server on this machine (SeaweedFS's `weed mini`), to try the team's
 storage before the team has one: a DVC remote, the run-cache and MLflow's artifacts.
 
-    python -m stages.team.s3 [--port 9000] [--dir .s3] [--bucket reprotrain]
+    python -m stages.team.s3 [--port 9000] [--dir .s3] [--bucket reprotrain] [--tls]
 
 It listens on 127.0.0.1 only, keeps its data and logs in `--dir` (git-ignored), and checks
 credentials: the keys are made on first start, kept in `--dir/identities.json` (mode 0600), and
-printed with the commands that use them. The tests start it through `start` and `stop`.
+printed with the commands that use them. `--tls` serves HTTPS with a certificate from a CA of
+its own (`--dir/tls/ca.pem`), as an in-house S3 often does. The tests start it through `start`
+and `stop`.
 """
 
 from __future__ import annotations
@@ -235,17 +237,20 @@ def main() -> None:
     ap.add_argument("--port", type=positive_int, default=9000)
     ap.add_argument("--dir", type=Path, default=Path(".s3"))
     ap.add_argument("--bucket", default="reprotrain")
+    ap.add_argument("--tls", action="store_true", help="HTTPS, with a certificate from a private CA")
     a = ap.parse_args()
-    s3 = start(a.dir, a.port, (a.bucket,))
+    s3 = start(a.dir, a.port, (a.bucket,), tls=a.tls)
     print(f"S3 (SeaweedFS) on {s3.endpoint}, bucket {a.bucket}, data in {a.dir}/; Ctrl-C stops it.\n"
           f"Its keys (in {a.dir}/identities.json, never committed), for DVC:\n"
           f"  dvc remote add -d team s3://{a.bucket}/dvc\n"
           f"  dvc remote modify team endpointurl {s3.endpoint}\n"
           f"  dvc remote modify --local team access_key_id {s3.access_key}\n"
           f"  dvc remote modify --local team secret_access_key {s3.secret_key}\n"
-          f"and for `make server ARTIFACTS=s3://{a.bucket}/mlflow` (the server alone holds them):\n"
+          + (f"  dvc remote modify --local team ssl_verify {s3.ca.resolve()}\n" if s3.ca else "")
+          + f"and for `make server ARTIFACTS=s3://{a.bucket}/mlflow` (the server alone holds them):\n"
           f"  export MLFLOW_S3_ENDPOINT_URL={s3.endpoint} AWS_ACCESS_KEY_ID={s3.access_key} "
-          f"AWS_SECRET_ACCESS_KEY={s3.secret_key}", flush=True)
+          f"AWS_SECRET_ACCESS_KEY={s3.secret_key}"
+          + (f" AWS_CA_BUNDLE={s3.ca.resolve()}" if s3.ca else ""), flush=True)
     try:
         s3.proc.wait()
     except KeyboardInterrupt:
