@@ -79,7 +79,9 @@ def identities(folder: Path) -> tuple[str, str]:
     """The access key and secret of this server: made once, kept 0600 in the folder."""
     path = folder / "identities.json"
     if not path.exists():
-        key, secret = "reprotrain" + secrets.token_hex(5), secrets.token_urlsafe(30)
+        # Hex: a urlsafe token starts with "-" one time in 64, and `dvc remote modify --local
+        # team secret_access_key -x...` then takes it for an option.
+        key, secret = "reprotrain" + secrets.token_hex(5), secrets.token_hex(24)
         doc = {"identities": [{"name": "reprotrain", "actions": ["Admin", "Read", "Write", "List",
                                                                   "Tagging"],
                                "credentials": [{"accessKey": key, "secretKey": secret}]}]}
