@@ -140,8 +140,30 @@ def check_port(host: str, port: int) -> None:
                         f"there? choose another PORT") from e
 
 
+def schema_current(db: str) -> bool:
+    """Whether the database already has this MLflow's schema (every start after the first):
+    `mlflow db upgrade` would then cost a process that imports MLflow (about 4 s) to do nothing.
+    Anything but a clear yes (no tables yet, an unreachable database) is left to it."""
+    from mlflow.store.db.utils import _get_latest_schema_revision, _get_schema_version
+    from sqlalchemy import create_engine
+
+    try:
+        # A host that accepts and never answers: the upgrade's own wait, not a second one.
+        engine = create_engine(db, connect_args={"connect_timeout": 10}
+                               if db.startswith("postgresql") else {})
+        try:
+            return _get_schema_version(engine) == _get_latest_schema_revision()
+        finally:
+            engine.dispose()
+    except Exception:  # noqa: BLE001 - `mlflow db upgrade` says why, in upgrade's words
+        return False
+
+
 def upgrade(db: str) -> None:
     """`mlflow db upgrade`: a new database gets the tables, an older one this MLflow's schema."""
+    if schema_current(db):
+        return
+    print(f"mlflow db upgrade {masked_uri(db)}", flush=True)
     p = subprocess.run([sys.executable, "-m", "mlflow", "db", "upgrade", db], capture_output=True,
                        text=True)
     if p.returncode == 0:
@@ -274,7 +296,6 @@ def main(argv: list[str] | None = None) -> None:
     args.port = int(args.port)
     check_bucket(artifacts)
     check_port(args.host, args.port)
-    print(f"mlflow db upgrade {masked_uri(args.db)}", flush=True)
     upgrade(args.db)
     if apply_admin_password(args.db, admin, os.environ["MLFLOW_TRACKING_PASSWORD"]):
         print(f"the admin {admin!r} had another password: it is now MLFLOW_TRACKING_PASSWORD's, "
