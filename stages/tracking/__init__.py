@@ -24,26 +24,43 @@ The DVC outputs are written all the same.
     stores.py   which store (tracking_uri), the spool's place, whether a server answers or
                 failed (outage, FAILING), errors in one line (reason, refusal); no MLflow
 
-The stages use the names below; the rest is imported from the module that owns it.
+The stages use the names below; the rest is imported from the module that owns it. They are
+imported on first use: `make sync` and the server import this package, and runs.py brings torch
+(its file hashing), seconds a sync with nothing to send should not pay.
 """
 
-from stages.tracking.names import EXPERIMENT_TAGS, git_commit, metric_name, run_name
-from stages.tracking.runs import (
-    PARENT_RUN_ENV,
-    experiment_run,
-    experiment_url,
-    link_model,
-    start_run,
-)
-from stages.tracking.stores import reason, refusal, tracking_uri
-from stages.tracking.tracker import Tracker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stages.tracking.names import EXPERIMENT_TAGS, git_commit, metric_name, run_name
+    from stages.tracking.runs import (
+        PARENT_RUN_ENV,
+        experiment_run,
+        experiment_url,
+        link_model,
+        start_run,
+    )
+    from stages.tracking.stores import reason, refusal, tracking_uri
+    from stages.tracking.tracker import Tracker
 
 __all__ = ["EXPERIMENT_TAGS", "PARENT_RUN_ENV", "Tracker", "experiment_run", "experiment_url",
            "git_commit", "link_model", "metric_name", "reason", "refusal", "run_name",
            "start_run", "tracking_uri"]
+HOME = {"EXPERIMENT_TAGS": "names", "git_commit": "names", "metric_name": "names",
+        "run_name": "names", "PARENT_RUN_ENV": "runs", "experiment_run": "runs",
+        "experiment_url": "runs", "link_model": "runs", "start_run": "runs", "reason": "stores",
+        "refusal": "stores", "tracking_uri": "stores", "Tracker": "tracker"}
 
 
-def __getattr__(name: str):  # an old `from stages.tracking import x`: say where x lives now
+def __getattr__(name: str):
+    if name in HOME:
+        value = getattr(importlib.import_module(f"{__name__}.{HOME[name]}"), name)
+        globals()[name] = value
+        return value
+    # an old `from stages.tracking import x`: say where x lives now
     from stages import moved_attribute
 
     return moved_attribute(__name__, name)
