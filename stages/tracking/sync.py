@@ -229,7 +229,9 @@ def _sync(source: str, target: str, budget_s: float | None, unsynced_only: bool)
     for exp in src.search_experiments(view_type=ViewType.ACTIVE_ONLY):
         runs = _all_runs(src, exp.experiment_id)
         if unsynced_only:
-            runs = [r for r in runs if r.data.tags.get(stores.SYNCED) != _mark(r, target)]
+            sent = {r.info.run_id for r in runs if r.data.tags.get(stores.SYNCED) == _mark(r, target)}
+            report.skipped += len(sent)
+            runs = [r for r in runs if r.info.run_id not in sent]
         if not runs:
             continue
         exp_id = _experiment(dst, exp)
@@ -245,7 +247,37 @@ def _sync(source: str, target: str, budget_s: float | None, unsynced_only: bool)
 
 
 def _mark(run, target: str) -> str:
-    return f"{stores.plain_uri(target)}@{run.info.end_time}"
+    return _mark_of(run.info.end_time, target)
+
+
+def _mark_of(end_time: int | None, target: str) -> str:
+    return f"{stores.plain_uri(target)}@{end_time}"
+
+
+def spooled(db: Path, target: str) -> tuple[int, int] | None:
+    """(runs the spool `db` has to send to `target`, runs it sent there whole), read with
+    sqlite alone: no MLflow, no server, milliseconds. None when the file cannot say (damaged,
+    not a store): the sync itself then names what is wrong. What is to send, as _sync's
+    `unsynced_only` finds it: an active run of an active experiment without the mark of its
+    end on this target (a run still RUNNING has none)."""
+    import sqlite3
+
+    if damage(db) is not None:
+        return None
+    try:
+        con = sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)
+        try:
+            rows = con.execute(
+                "SELECT r.end_time, t.value FROM runs r JOIN experiments e "
+                "ON e.experiment_id = r.experiment_id LEFT JOIN tags t ON t.run_uuid = "
+                "r.run_uuid AND t.key = ? WHERE r.lifecycle_stage = 'active' AND "
+                "e.lifecycle_stage = 'active'", (stores.SYNCED,)).fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    sent = sum(value == _mark_of(end, target) for end, value in rows)
+    return len(rows) - sent, sent
 
 
 def _all_runs(client, exp_id: str) -> list:
@@ -541,6 +573,12 @@ def main(argv: list[str] | None = None) -> None:
                             "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
     if stores.plain_uri(source) == stores.plain_uri(target):
         raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
+    if not args.source and (counts := spooled(stores.spool_file(), target)) and not counts[0]:
+        # Every spooled run is on this server already (marked when sent): said without MLflow's
+        # import or a request. FROM=sqlite:///$PWD/.mlflow-spool/mlflow.db checks each again.
+        stores.spool_synced(time.time())
+        print(Report(skipped=counts[1]).line(f"{stores.SPOOL}/", stores.plain_uri(target)))
+        return
     if stores.is_server(target) and not stores.reachable(target):
         raise UserError(f"the MLflow server {stores.plain_uri(target)} does not answer (or "
                         "answers 5xx, as a proxy before a stopped one does): start it (make "
@@ -548,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
                         "is kept")
     started = time.time()
     try:
-        report = sync(source, target, args.budget_s)
+        # The spool: only its runs not yet sent whole to this target (as a stage's replay).
+        report = sync(source, target, args.budget_s, unsynced_only=not args.source)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - narrowed below: the server's or the store's answers
