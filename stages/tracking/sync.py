@@ -311,43 +311,56 @@ def _experiment(dst, exp) -> str:
     return found.experiment_id
 
 
-def _target_run(src, dst, run, exp_id: str, origin: str) -> tuple[str, bool, bool]:
-    """The target's run for `run`: (id, merged into a run the server had, made now)."""
+def _target_run(src, dst, run, exp_id: str, origin: str):
+    """The target's run for `run`: (its Run, merged into a run the server had, made now)."""
     from mlflow.exceptions import MlflowException
 
     continues = run.data.tags.get(stores.SERVER_RUN)
     if continues:
         try:
-            if dst.get_run(continues).info.lifecycle_stage == "active":
-                return continues, True, False
+            have = dst.get_run(continues)
+            if have.info.lifecycle_stage == "active":
+                return have, True, False
         except MlflowException:  # not on this server: the spooled part becomes a run of its own
             pass
     key = f"{origin}#{run.info.run_id}"
     found = _one_run(dst, exp_id, key)
     if found:
-        return found, False, False
+        return dst.get_run(found.info.run_id), False, False
     tags = {k: v for k, v in run.data.tags.items() if k not in LOCAL_TAGS} | {SOURCE_RUN: key}
     dst.create_run(exp_id, start_time=run.info.start_time, tags=tags, run_name=run.info.run_name)
+    # Made now: it holds its tags and nothing else, which the search's answer shows.
     return _one_run(dst, exp_id, key), False, True
 
 
-def _one_run(dst, exp_id: str, key: str) -> str | None:
-    """The target's run tagged `key`, made one: MLflow retries a POST whose answer was lost (a
-    proxy's 504 after the server made the run), and the retry makes a second one. The first
-    by id is kept and the others deleted (restorable): the source holds all they could have."""
-    found = sorted(r.info.run_id for r in dst.search_runs(
-        [exp_id], filter_string=f"tags.`{SOURCE_RUN}` = '{key}'", max_results=100))
+def _one_run(dst, exp_id: str, key: str):
+    """The target's run tagged `key` (its Run as search_runs answers it), made one: MLflow
+    retries a POST whose answer was lost (a proxy's 504 after the server made the run), and
+    the retry makes a second one. The first by id is kept and the others deleted
+    (restorable): the source holds all they could have."""
+    found = sorted(dst.search_runs([exp_id], filter_string=f"tags.`{SOURCE_RUN}` = '{key}'",
+                                   max_results=100), key=lambda r: r.info.run_id)
     for extra in found[1:]:
-        dst.delete_run(extra)
+        dst.delete_run(extra.info.run_id)
     return found[0] if found else None
+
+
+def _log(dst, run_id: str, params: list, tags: list, metrics: list) -> None:
+    """Params, tags and metrics in the fewest log_batch requests: MLflow takes at most 100
+    params, 100 tags and 1000 entries in all per request."""
+    while params or tags or metrics:
+        p, t = params[:100], tags[:100]
+        m = metrics[:BATCH - len(p) - len(t)]
+        dst.log_batch(run_id, params=p, tags=t, metrics=m)
+        params, tags, metrics = params[len(p):], tags[len(t):], metrics[len(m):]
 
 
 def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
     run_id = run.info.run_id
-    target, merged, made = _target_run(src, dst, run, exp_id, origin)
-    have = dst.get_run(target)
+    have, merged, made = _target_run(src, dst, run, exp_id, origin)
+    target = have.info.run_id
     before = report.steps + report.artifacts + report.versions
 
     params = [Param(k, v) for k, v in run.data.params.items() if k not in have.data.params]
@@ -361,25 +374,21 @@ def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
             (merged and k.startswith("mlflow."))]  # a merged run keeps its name and source
     if merged and have.data.tags.get("reprotrain.replayed_from") is None:
         tags.append(RunTag("reprotrain.replayed_from", f"{origin}#{run_id}"))
-    for i in range(0, len(params), 100):
-        dst.log_batch(target, params=params[i:i + 100])
-    for i in range(0, len(tags), 100):  # MLflow's limit per batch
-        dst.log_batch(target, tags=tags[i:i + 100])
-
+    metrics = []
     for key in run.data.metrics:
         # Merged: the run's own steps (a step is logged once per key; a resume or a retry
-        # after the server went away may have sent one twice). Copied: an exact copy.
+        # after the server went away may have sent one twice). Copied: an exact copy. A run
+        # made now has none: nothing to ask the server.
         ident = (lambda m: m.step) if merged else (lambda m: (m.step, m.timestamp, repr(m.value)))
-        there = {ident(m) for m in dst.get_metric_history(target, key)}
-        new = [Metric(key, m.value, m.timestamp, m.step) for m in src.get_metric_history(run_id, key)
-               if ident(m) not in there]
-        for i in range(0, len(new), BATCH):
-            dst.log_batch(target, metrics=new[i:i + BATCH])
-        report.steps += len(new)
+        there = set() if made else {ident(m) for m in dst.get_metric_history(target, key)}
+        metrics += [Metric(key, m.value, m.timestamp, m.step)
+                    for m in src.get_metric_history(run_id, key) if ident(m) not in there]
+    _log(dst, target, params, tags, metrics)
+    report.steps += len(metrics)
 
-    _sync_datasets(dst, run, have)
-    report.artifacts += _sync_artifacts(src, dst, run_id, target)
-    report.versions += _sync_models(src, dst, run, target, exp_id, origin)
+    _sync_datasets(dst, run, have, made)
+    report.artifacts += _sync_artifacts(src, dst, run_id, target, made)
+    report.versions += _sync_models(src, dst, run, target, exp_id, origin, made)
     # Last: a sync killed before this leaves the target RUNNING, and the next one ends it.
     if run.info.status != "RUNNING" and (have.info.status == "RUNNING" or made):
         dst.set_terminated(target, run.info.status, run.info.end_time)
@@ -389,8 +398,9 @@ def _sync_run(src, dst, run, exp_id: str, origin: str, report: Report) -> None:
         report.skipped += 1
 
 
-def _sync_datasets(dst, run, have) -> None:
-    there = {(d.dataset.name, d.dataset.digest) for d in have.inputs.dataset_inputs}
+def _sync_datasets(dst, run, have, made: bool) -> None:
+    there = set() if made else {(d.dataset.name, d.dataset.digest)
+                                for d in have.inputs.dataset_inputs}
     new = [d for d in run.inputs.dataset_inputs if (d.dataset.name, d.dataset.digest) not in there]
     if new:
         dst.log_inputs(have.info.run_id, datasets=new)
@@ -403,8 +413,8 @@ def _files(client, run_id: str, path: str | None = None) -> dict[str, int]:
     return out
 
 
-def _sync_artifacts(src, dst, run_id: str, target: str) -> int:
-    there = _files(dst, target)
+def _sync_artifacts(src, dst, run_id: str, target: str, made: bool) -> int:
+    there = {} if made else _files(dst, target)
     new = [p for p, size in _files(src, run_id).items() if there.get(p) != size]
     with tempfile.TemporaryDirectory() as tmp:
         for path in new:
@@ -413,16 +423,16 @@ def _sync_artifacts(src, dst, run_id: str, target: str) -> int:
     return len(new)
 
 
-def _sync_models(src, dst, run, target: str, exp_id: str, origin: str) -> int:
+def _sync_models(src, dst, run, target: str, exp_id: str, origin: str, made: bool) -> int:
     """The run's logged models (MLflow 3 keeps their files apart from the run's artifacts),
-    then their registered versions."""
+    then their registered versions. A run `made` now has neither on the target."""
     import mlflow
     from mlflow.entities import LoggedModelStatus
     from mlflow.models import Model
 
     run_id = run.info.run_id
-    mine = {m.tags.get(SOURCE_MODEL): m for m in
-            dst.search_logged_models([exp_id], filter_string=f"source_run_id = '{target}'")}
+    mine = {} if made else {m.tags.get(SOURCE_MODEL): m for m in dst.search_logged_models(
+        [exp_id], filter_string=f"source_run_id = '{target}'")}
     ids = {}
     for model in src.search_logged_models([run.info.experiment_id],
                                           filter_string=f"source_run_id = '{run_id}'"):
@@ -445,7 +455,7 @@ def _sync_models(src, dst, run, target: str, exp_id: str, origin: str) -> int:
                 dst.log_model_artifacts(copy.model_id, local)
             dst.finalize_logged_model(copy.model_id, LoggedModelStatus.READY)
         ids[model.model_id] = copy.model_id
-    return _sync_versions(src, dst, run_id, target, ids, origin)
+    return _sync_versions(src, dst, run_id, target, ids, origin, new_run=made)
 
 
 def _logged_model(dst, model_id: str):
@@ -460,7 +470,8 @@ def _logged_model(dst, model_id: str):
         return None
 
 
-def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], origin: str) -> int:
+def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], origin: str,
+                   new_run: bool) -> int:
     from mlflow.exceptions import MlflowException
 
     made = 0
@@ -468,7 +479,7 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
                       key=lambda v: v.creation_timestamp)
     if not versions:
         return 0
-    there = dst.search_model_versions(f"run_id = '{target}'")
+    there = [] if new_run else dst.search_model_versions(f"run_id = '{target}'")
     mine = {v.tags.get(SOURCE_VERSION): v for v in there}
     # Versions export registered on the server itself before it failed (a tag or an alias
     # call): by their logged model; the spool's version of it is the same one.
