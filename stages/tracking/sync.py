@@ -11,8 +11,11 @@ versions with their aliases. A spooled run that continues a run the server has (
 tagged `reprotrain.source_run` = `<host>:<store>#<run id>`: where it came from, and how a second
 sync finds it. Everything is skipped that the target already holds (a metric step, an artifact
 of that path and size, a dataset, a model or version tagged with its source), so a second sync,
-or one after a sync killed halfway, lands each thing once. MLflow has no such mover (mlflow
-#2910); this is one module on MlflowClient, with an explicit URI for each store.
+or one after a sync killed halfway, lands each thing once. A run sent whole is marked so in the
+spool (`reprotrain.synced`), and the spool's runs with that mark are not read again: a spool
+sent already is said from its sqlite file alone, without MLflow or a request (FROM= the spool's
+file checks each run again). MLflow has no such mover (mlflow #2910); this is one module on
+MlflowClient, with an explicit URI for each store.
 """
 
 from __future__ import annotations
