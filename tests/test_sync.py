@@ -652,6 +652,30 @@ def test_the_sync_lock_is_never_followed_through_a_link_nor_skipped(tmp_path):
         assert lock.read_text() == str(os.getpid())
 
 
+def test_a_spool_sent_already_is_one_line_without_mlflow_or_the_server(empty_db, tmp_path):
+    """Every spooled run marked sent to this server: said from the spool's file alone (it was
+    11 s, each run read back in 28 requests). Nothing listens on that port, and sync imports
+    neither MLflow nor torch; a run whose mark is not its end's on it is sent again."""
+    w = tmp_path / "w"
+    db = fill_spool(w, empty_db, f"sent-{os.urandom(3).hex()}", runs=2)
+    uri = f"http://127.0.0.1:{free_port()}"
+    client = mlflow_client(db)
+    runs = client.search_runs(["1"])
+    for r in runs:
+        client.set_tag(r.info.run_id, "reprotrain.synced", f"{uri}@{r.info.end_time}")
+    env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, DVC_ROOT=str(w))
+    code = ("import sys, stages.tracking.sync as s; s.main([]); "
+            "print(sorted({'mlflow', 'torch'} & set(sys.modules)))")
+    p = run([sys.executable, "-c", code], w, env=env)
+    assert p.stdout.splitlines() == [f"synced 0 run(s) from .mlflow-spool/ to {uri}: 0 metric "
+                                     "steps, 0 artifacts, 0 model versions; 2 run(s) already "
+                                     "there", "[]"] and not p.stderr, (p.stdout, p.stderr)
+    assert not (w / ".mlflow-spool/unsynced").exists()  # stages no longer replay it
+    client.set_tag(runs[0].info.run_id, "reprotrain.synced", f"{uri}@0")  # reopened since
+    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False, env=env)
+    assert p.returncode == 1 and "does not answer" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("lost", ["runs/create", "model-versions/create"])
 def test_a_create_whose_answer_is_lost_lands_once(lost, team, admin, empty_db, tmp_path):
     """The server makes the run (or the version) but its answer is lost (the proxy's 504):
