@@ -147,6 +147,12 @@ bench-pipeline: setup ## the four stages timed part by part (start-up, tracking,
 bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
 	$(PY) -m stages.bench.serving
 
+bench-server: setup ## `make server` until ready, first start and restart; BENCH_REVS=a,b side by side
+	$(PY) -m stages.bench.server --revs $(BENCH_REVS)
+
+bench-sync: setup ## `make sync` with no spool, of one run and again, against the team server; BENCH_REVS=a,b
+	$(PY) -m stages.bench.sync --revs $(BENCH_REVS)
+
 bench-storage: setup ## DVC on a folder remote vs S3 on loopback: the pipeline's outputs and a 1 GiB dataset
 	$(PY) -m stages.bench.storage
 
