@@ -119,11 +119,11 @@ def own_s3(tmp_path):
 def test_a_private_ca_is_one_line_naming_both_ways_to_trust_it_and_either_works(own_s3, tmp_path):
     tls = own_s3(tls=True)
     w = workspace(tmp_path / "w", tls, "s3://team-dvc/tls")
-    p = run(["dvc", "push"], w, env=client_env(tmp_path), check=False)
+    p = run(["dvc", "push"], w, env=client_env(tmp_path, AWS_MAX_ATTEMPTS="1"), check=False)
     assert p.returncode == 255 and "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: " \
         "unable to get local issuer certificate" in p.stderr, p.stderr
 
-    assert one_line(share(w)) == (
+    assert one_line(share(w, AWS_MAX_ATTEMPTS="1")) == (
         f"error: the DVC remote 'team' (s3://team-dvc/tls): the certificate of {tls.endpoint} is "
         "not trusted (signed by a CA this machine does not know): give that CA's certificate "
         "with `export AWS_CA_BUNDLE=/path/ca.pem` or `dvc remote modify --local team ssl_verify "
@@ -228,7 +228,7 @@ def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_
     stop(server)
     (w / "data/new.bin").write_bytes(b"more")
     run(["dvc", "repro", "-q"], w)
-    assert one_line(share(w)) == (
+    assert one_line(share(w, AWS_MAX_ATTEMPTS="1")) == (
         f"error: could not reach the DVC remote 'team' (s3://team-dvc/kill) at {server.endpoint} "
         "(EndpointConnectionError): is the S3 server up? Check the address (`dvc remote modify "
         "team endpointurl URL`), then rerun `make share`: what this push sent stays there, and "
@@ -280,7 +280,7 @@ def test_a_bucket_over_its_quota_is_one_line_and_the_push_completes_once_freed(s
     w = workspace(tmp_path / "w", s3, "s3://team-full/dvc")
 
     # (`dvc push`'s own words, one line per file, are in docs/data.md: 15 s more here.)
-    assert one_line(share(w)) == (
+    assert one_line(share(w, AWS_MAX_ATTEMPTS="1")) == (
         "error: the DVC remote 'team' (s3://team-full/dvc) would not store the files: 6 files "
         f"failed to upload (InternalError from {s3.endpoint}), which a bucket over its quota or a "
         "full disk answers: free space in the bucket 'team-full' or have its quota raised, then "
