@@ -81,7 +81,8 @@ def main() -> None:
 
 # What S3 servers answer a write they have no room for: Ceph's quota, MinIO's quota and full
 # disk, a 507; SeaweedFS 4.48 answers a bucket over its quota (made read-only by
-# `s3.bucket.quota.enforce`) with a bare InternalError, its log saying "bucket over quota".
+# `s3.bucket.quota.enforce`) with a bare InternalError, its log "read only: /buckets/B/ (e.g.
+# bucket over quota)".
 FULL = ("QuotaExceeded", "XMinioAdminBucketQuotaExceeded", "XMinioStorageFull",
         "InsufficientStorage", "InternalError")
 
