@@ -188,51 +188,84 @@ def test_make_server_checks_its_artifact_bucket_before_it_is_ready(s3, tmp_path)
         assert "ready" not in p.stdout and "mlflow db upgrade" not in p.stdout, p.stdout
 
 
-def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_s3, tmp_path):
-    """`make share` killed mid-push (Ctrl-C, a closed laptop): every object on the remote is
-    whole (one PUT each), no .dir manifest without all its files, no run-cache entry without
-    its outputs; a pull of that says what is missing; a rerun sends the rest. Then the server
-    stopped: one line naming the remote."""
+def nothing_half(server: S3, entries: int) -> set[str]:
+    """The remote's objects under kill/, checked: `entries` run-cache entries, and every .dir
+    manifest's files there (DVC sends a folder's files first, its manifest once all went)."""
     import json
 
-    server = own_s3()
-    w = workspace(tmp_path / "w", server, "s3://team-dvc/kill", files=600, size=2000)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.share"], cwd=w,
-                            env=client_env(tmp_path, PYTHONPATH=str(ROOT)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while len(keys(server, "team-dvc", "kill/files/")) < 50:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     objects = keys(server, "team-dvc", "kill/")
-    assert 50 <= len(objects) < 600, len(objects)
-    assert not [k for k in objects if k.startswith("kill/runs/")], objects
+    assert len([k for k in objects if k.startswith("kill/runs/")]) == entries, sorted(objects)
     for k in objects:
         if k.endswith(".dir"):
             body = client(server).get_object(Bucket="team-dvc", Key=k)["Body"].read()
             for entry in json.loads(body):
                 assert f"kill/files/md5/{entry['md5'][:2]}/{entry['md5'][2:]}" in objects, k
+    return objects
+
+
+def sharing(w: Path, server: S3, at_least: int) -> subprocess.Popen:
+    """`make share` in the background, once `at_least` objects are in kill/files/."""
+    proc = subprocess.Popen([sys.executable, "-m", "stages.team.share"], cwd=w, text=True,
+                            env=client_env(w.parent, PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(keys(server, "team-dvc", "kill/files/")) < at_least:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_s3, tmp_path):
+    """`make share` killed mid-push (Ctrl-C, a closed laptop), then the S3 server killed
+    mid-push: every object on the remote is whole (one PUT each), no .dir manifest without
+    all its files, no run-cache entry without its outputs; a pull of that says what is
+    missing; the push is one line naming the remote, and a rerun sends the rest."""
+    server = own_s3()
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    w = workspace(tmp_path / "w", server, "s3://team-dvc/kill", files=600, size=2000)
+    proc = sharing(w, server, 50)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert 50 <= len(nothing_half(server, entries=0)) < 600
     half = pulled(w, tmp_path / "half")
     # DVC's words: the manifest is missing, so nothing of out/ is checked out.
     assert half.returncode == 1 and not (tmp_path / "half/out").exists(), half.stderr
     assert "Missing cache files:\nmd5: " in half.stderr and "ERROR: failed to pull data from " \
         "the cloud - Checkout failed for following targets:\nout" in half.stderr, half.stderr
-
     assert share(w).returncode == 0
-    assert any(k.startswith("kill/runs/") for k in keys(server, "team-dvc", "kill/"))
+    nothing_half(server, entries=1)
     assert pulled(w, tmp_path / "whole").returncode == 0
     assert files(tmp_path / "whole") == files(w) != {}
 
+    # 600 more files; the server SIGKILLed once 50 are up. The requests under way give up
+    # after botocore's tries (13 s), every later one at once: one line, not 13 s a file.
+    for i in range(600):
+        (w / "data" / f"more{i:04}.bin").write_bytes(os.urandom(2000))
+    for line in (["dvc", "repro", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "more"]):
+        run(line, w)
+    proc = sharing(w, server, len(keys(server, "team-dvc", "kill/files/")) + 50)
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    took = time.monotonic() - killed
+    down = (f"error: could not reach the DVC remote 'team' (s3://team-dvc/kill) at "
+            f"{server.endpoint} (")
+    assert one_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err)).startswith(
+        down), err
+    assert took < 60, took
     stop(server)
-    (w / "data/new.bin").write_bytes(b"more")
-    run(["dvc", "repro", "-q"], w)
-    assert one_line(share(w, AWS_MAX_ATTEMPTS="1")) == (
-        f"error: could not reach the DVC remote 'team' (s3://team-dvc/kill) at {server.endpoint} "
-        "(EndpointConnectionError): is the S3 server up? Check the address (`dvc remote modify "
+    # Down before the push: the same line.
+    assert one_line(share(w, AWS_MAX_ATTEMPTS="1")) == down + (
+        "EndpointConnectionError): is the S3 server up? Check the address (`dvc remote modify "
         "team endpointurl URL`), then rerun `make share`: what this push sent stays there, and "
         "a rerun sends the rest")
+
+    server = own_s3(port=port)  # back, on its folder
+    nothing_half(server, entries=1)
+    assert share(w).returncode == 0
+    nothing_half(server, entries=2)
+    assert pulled(w, tmp_path / "again").returncode == 0
+    assert files(tmp_path / "again") == files(w)
 
 
 def weed_shell(s3: S3, commands: str) -> str:  # noqa: F811

@@ -37,6 +37,7 @@ def main() -> None:
         try:
             if str(url).startswith("s3://"):
                 check_bucket(repo, name, url)
+                fail_fast()
             print(push(repo, problems))
         except NoRemoteError:
             raise ShareError("no DVC remote to share to: add one with `dvc remote add -d NAME "
@@ -155,6 +156,28 @@ def check_bucket(repo, name: str, url: str) -> None:
     except PermissionError as e:  # s3fs's 403: a wrong secret, an unknown key, no right to list
         raise ShareError(f"the DVC remote {name!r} ({url}) refused this machine's credentials: "
                          f"Forbidden ({e}); {set_keys(name)}") from None
+
+
+def fail_fast() -> None:
+    """Once a request finds the endpoint gone (after botocore's 5 tries, 13 s), every later one
+    fails at once the same way: a server that dies mid-push would otherwise cost each file
+    still to send its own 13 s, 4 per CPU at a time (137 s for 139 files here). What was sent
+    stays, and a rerun sends the rest. On s3fs's class: DVC makes an instance per remote
+    object, and this process pushes to one remote, then exits."""
+    from s3fs import S3FileSystem
+
+    call, gone = S3FileSystem._call_s3, []
+
+    async def unless_gone(self, *args, **kwargs):
+        if gone:
+            raise type(gone[0])(**gone[0].kwargs)
+        try:
+            return await call(self, *args, **kwargs)
+        except s3_unreachable() as e:
+            gone.append(e)
+            raise
+
+    S3FileSystem._call_s3 = unless_gone
 
 
 def set_keys(name: str) -> str:
