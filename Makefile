@@ -78,12 +78,14 @@ FROM ?=
 sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
 	$(PY) -m stages.tracking.sync $(if $(FROM),--from '$(FROM)')
 
-# Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
+# Three workers on 2 cores: a pipeline run is mostly single-threaded start-up, and about a
+# fifth of the suite's time is waiting (servers starting, timeouts, SIGKILLed processes' grace),
+# which a third worker fills (docs/performance.md, "Tests").
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;
 # the longest modules go first (tests/conftest.py).
 # --durations: the slowest tests, to see where the suite's minutes go.
-TEST_WORKERS ?= 2
-test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
+TEST_WORKERS ?= 3
+test: setup ## run the test suite (TEST_WORKERS=... processes, 3 by default)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 UI_PORT ?= 5000

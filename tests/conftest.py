@@ -204,7 +204,7 @@ def trained(tmp_path_factory, digits, mlflow_uri):
     return w
 
 
-# Under `make test`'s two workers, one thread each, for this process and every subprocess it
+# Under `make test`'s workers, one thread each, for this process and every subprocess it
 # starts (stages, dvc, torchrun): two processes of two OpenMP threads on two cores spin against
 # each other, and the in-process training tests ran ten times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -313,7 +313,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
 
 
 # `make test` runs modules longest first (it keeps this order with --no-loadscope-reorder), so
-# the two workers end together instead of one starting the 3-minute workflow test when the
+# the workers end together instead of one starting the 3-minute workflow test when the
 # other is nearly done. The seconds are the last run's, kept in pytest's cache; a first run
 # (a fresh clone, CI) starts the modules with the most `slow` tests first.
 DURATIONS_KEY = "reprotrain/module_seconds"

@@ -146,16 +146,19 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     (folder / "data").mkdir(exist_ok=True)
     (folder / "logs").mkdir(mode=0o700, exist_ok=True)
     key, secret = identities(folder)
-    ports = free_ports(1 + 2 * len(PORTS))
-    port = port or ports[0]
+    # S3's own gRPC port too: weed's default, the S3 port + 10000, is past 65535 for a quarter
+    # of the ports the kernel hands out, and weed then exits at start.
+    ports = free_ports(2 + 2 * len(PORTS))
+    port, s3_grpc = port or ports[0], ports[-1]
     extra = [f"-{name}.port={ports[1 + 2 * i]}" for i, name in enumerate(PORTS)] + \
-        [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)]
+        [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)] + \
+        [f"-s3.port.grpc={s3_grpc}"]
     # Short (a socket path holds 107 bytes) and private: the filer's and S3's sockets go here
     # instead of weed's default fixed names under /tmp.
     sockets = Path(tempfile.mkdtemp(prefix="reprotrain-s3-"))
     extra += [f"-filer.localSocket={sockets / 'filer.sock'}",
               f"-s3.localFilerSocket={sockets / 'filer.sock'}", f"-s3.localSocket={sockets / 's3.sock'}"]
-    grpc = [(name, ports[2 + 2 * i]) for i, name in enumerate(PORTS)] + [("s3", port + 10000)]
+    grpc = [(name, ports[2 + 2 * i]) for i, name in enumerate(PORTS)] + [("s3", s3_grpc)]
     cmd = [weed(), f"-logdir={folder / 'logs'}", "mini", f"-dir={folder / 'data'}",
            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}",
            f"-s3.config={folder / 'identities.json'}", "-master.telemetry=false",
