@@ -78,14 +78,14 @@ FROM ?=
 sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
 	$(PY) -m stages.tracking.sync $(if $(FROM),--from '$(FROM)')
 
-# Three workers on 2 cores: a pipeline run is mostly single-threaded start-up, and about a
-# fifth of the suite's time is waiting (servers starting, timeouts, SIGKILLed processes' grace),
-# which a third worker fills (docs/performance.md, "Tests").
+# Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
+# A third costs more than the waits it fills: on the 2-core VM the suite's CPU time went from
+# 44 to 57 minutes and its wall time from 26 to 32 (docs/performance.md, "Tests").
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;
 # the longest modules go first (tests/conftest.py).
 # --durations: the slowest tests, to see where the suite's minutes go.
-TEST_WORKERS ?= 3
-test: setup ## run the test suite (TEST_WORKERS=... processes, 3 by default)
+TEST_WORKERS ?= 2
+test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 UI_PORT ?= 5000

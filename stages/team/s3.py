@@ -35,6 +35,7 @@ from stages.lib.errors import UserError
 PORTS = ("master", "volume", "filer", "admin")
 START_S = 60.0
 STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
+SOCKET_DIR_MAX = 60  # the longest folder under which its sockets' paths fit in 107 bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +155,11 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
         [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)] + \
         [f"-s3.port.grpc={s3_grpc}"]
     # Short (a socket path holds 107 bytes) and private: the filer's and S3's sockets go here
-    # instead of weed's default fixed names under /tmp.
-    sockets = Path(tempfile.mkdtemp(prefix="reprotrain-s3-"))
+    # instead of weed's default fixed names under /tmp. A long TMPDIR (a test's, 110 bytes with
+    # the names) would make weed exit at start: /tmp then.
+    base = tempfile.gettempdir()
+    sockets = Path(tempfile.mkdtemp(prefix="reprotrain-s3-",
+                                    dir=base if len(base) <= SOCKET_DIR_MAX else "/tmp"))
     extra += [f"-filer.localSocket={sockets / 'filer.sock'}",
               f"-s3.localFilerSocket={sockets / 'filer.sock'}", f"-s3.localSocket={sockets / 's3.sock'}"]
     grpc = [(name, ports[2 + 2 * i]) for i, name in enumerate(PORTS)] + [("s3", s3_grpc)]
@@ -181,7 +185,9 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             stop(s3)
-            raise UserError(f"the S3 server stopped at start (exit {proc.returncode}); see "
+            said = (folder / "logs" / "weed.out").read_text(errors="replace").strip()
+            raise UserError(f"the S3 server stopped at start (exit {proc.returncode}: "
+                            f"{said.splitlines()[-1][-300:] if said else 'no output'}); see "
                             f"{folder / 'logs' / 'weed.out'}")
         time.sleep(0.3)
         if answers(s3):
