@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.team.s3 import S3, start, stop
+from stages.team.s3 import S3, start, stop, weed
 from tests.conftest import ROOT, run
 from tests.support.services import free_port, s3, server_env  # noqa: F401 - the fixture
 from tests.test_s3_dvc import client_env
@@ -271,7 +271,7 @@ def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_
 def weed_shell(s3: S3, commands: str) -> str:  # noqa: F811
     """`weed shell` on the server's master and filer (their gRPC ports are not port + 10000)."""
     args = dict(a.lstrip("-").split("=", 1) for a in s3.proc.args if a.startswith("-") and "=" in a)
-    p = subprocess.run([s3.proc.args[0], "shell",
+    p = subprocess.run([weed(), "shell",
                         f"-master=127.0.0.1:{args['master.port']}.{args['master.port.grpc']}",
                         f"-filer=127.0.0.1:{args['filer.port']}.{args['filer.port.grpc']}"],
                        input=commands, capture_output=True, text=True, timeout=60, check=True)
@@ -324,3 +324,23 @@ def test_a_bucket_over_its_quota_is_one_line_and_the_push_completes_once_freed(s
     enforce(s3, writable=True)
     assert share(w).returncode == 0
     assert any(k.startswith("dvc/runs/") for k in keys(s3, "team-full"))
+
+
+def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_path):
+    """weed makes its gRPC sockets at /tmp/seaweedfs-<service>-grpc-<port>.sock, names another
+    user could take first: it runs with a /tmp of its own, its folder's `run/`, gone at stop."""
+    if subprocess.run(["unshare", "--map-root-user", "--mount", "true"],
+                      capture_output=True).returncode:
+        pytest.skip("no mount namespace here: weed keeps its fixed /tmp names")
+    server = start(tmp_path / "s3", 0, ("sockets",))
+    try:
+        args = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
+        grpc = [a.split(b"=")[1].decode() for a in args if b".port.grpc=" in a]
+        assert len(grpc) == 5, args
+        made = {p.name for p in (tmp_path / "s3/run").iterdir()}
+        assert {"filer.sock", "s3.sock"} <= made, made
+        assert any(f"-grpc-{port}.sock" in name for name in made for port in grpc), made
+        assert not [port for port in grpc if list(Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"))]
+    finally:
+        stop(server)
+    assert not (tmp_path / "s3/run").exists()

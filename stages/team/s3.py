@@ -19,10 +19,8 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,16 @@ from stages.lib.errors import UserError
 PORTS = ("master", "volume", "filer", "admin")
 START_S = 60.0
 STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
-SOCKET_DIR_MAX = 60  # the longest folder under which its sockets' paths fit in 107 bytes
+# weed makes its gRPC sockets at fixed names, /tmp/seaweedfs-<service>-grpc-<port>.sock, where
+# another user could have planted a file first. It runs with a /tmp of its own instead: this
+# folder (under `start`'s folder, 0700), mounted over /tmp in a mount namespace of its own.
+RUN = "run"
+# In that namespace ($0 `start`'s folder, $1 weed): the folder also at run/w, so that it stays
+# reachable, as /tmp/w, when it is itself under /tmp; run/ over /tmp; weed from an fd opened
+# before (its path may be under /tmp too: a checkout there), in /tmp/w, where its relative paths
+# and its working directory resolve.
+PRIVATE_TMP = (f'exec 3<"$1" && mount --bind "$0" "$0/{RUN}/w" && mount --rbind "$0/{RUN}" /tmp '
+               '&& cd /tmp/w && shift && exec /proc/self/fd/3 "$@"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +53,6 @@ class S3:
     buckets: tuple[str, ...]
     proc: subprocess.Popen
     folder: Path
-    sockets: Path  # a private folder for the local sockets weed lets us place
-    # The gRPC sockets weed always makes as /tmp/seaweedfs-<service>-grpc-<port>.sock.
-    grpc_sockets: tuple[Path, ...]
-    started: float
     ca: Path | None = None  # the private CA that signed its certificate, when it serves HTTPS
 
     def env(self) -> dict[str, str]:
@@ -154,33 +157,29 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     extra = [f"-{name}.port={ports[1 + 2 * i]}" for i, name in enumerate(PORTS)] + \
         [f"-{name}.port.grpc={ports[2 + 2 * i]}" for i, name in enumerate(PORTS)] + \
         [f"-s3.port.grpc={s3_grpc}"]
-    # Short (a socket path holds 107 bytes) and private: the filer's and S3's sockets go here
-    # instead of weed's default fixed names under /tmp. A long TMPDIR (a test's, 110 bytes with
-    # the names) would make weed exit at start: /tmp then.
-    base = tempfile.gettempdir()
-    sockets = Path(tempfile.mkdtemp(prefix="reprotrain-s3-",
-                                    dir=base if len(base) <= SOCKET_DIR_MAX else "/tmp"))
-    extra += [f"-filer.localSocket={sockets / 'filer.sock'}",
-              f"-s3.localFilerSocket={sockets / 'filer.sock'}", f"-s3.localSocket={sockets / 's3.sock'}"]
-    grpc = [(name, ports[2 + 2 * i]) for i, name in enumerate(PORTS)] + [("s3", s3_grpc)]
-    cmd = [weed(), f"-logdir={folder / 'logs'}", "mini", f"-dir={folder / 'data'}",
-           "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}",
-           f"-s3.config={folder / 'identities.json'}", "-master.telemetry=false",
+    # The filer's and S3's sockets beside the gRPC ones, by short relative paths (a socket path
+    # holds 107 bytes): weed runs in the folder.
+    extra += [f"-filer.localSocket={RUN}/filer.sock", f"-s3.localFilerSocket={RUN}/filer.sock",
+              f"-s3.localSocket={RUN}/s3.sock"]
+    cmd = ["-logdir=logs", "mini", "-dir=data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+           f"-s3.port={port}", "-s3.config=identities.json", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-bucket={','.join(buckets)}", *extra]
     ca = None
     if tls:
         (folder / "tls").mkdir(mode=0o700, exist_ok=True)
         ca, cert, tls_key = self_signed(folder / "tls")
-        cmd += [f"-s3.cert.file={cert}", f"-s3.key.file={tls_key}"]
+        cmd += [f"-s3.cert.file={cert.relative_to(folder)}",
+                f"-s3.key.file={tls_key.relative_to(folder)}"]
+    shutil.rmtree(folder / RUN, ignore_errors=True)  # a killed server's, in our own folder
+    (folder / RUN).mkdir(mode=0o700)
+    (folder / RUN / "w").mkdir()
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
-    started = time.time()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(with_private_tmp(weed(), cmd, folder), cwd=folder, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=os.environ | {"TMPDIR": "/tmp"}, start_new_session=True)
     s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
-            secret_key=secret, buckets=buckets, proc=proc, folder=folder, sockets=sockets,
-            started=started, ca=ca,
-            grpc_sockets=tuple(Path(f"/tmp/seaweedfs-{name}-grpc-{p}.sock") for name, p in grpc))
+            secret_key=secret, buckets=buckets, proc=proc, folder=folder, ca=ca)
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -216,8 +215,20 @@ def answers(s3: S3) -> bool:
     return True
 
 
+def with_private_tmp(binary: str, args: list[str], folder: Path) -> list[str]:
+    """`binary args` in `folder`, with `folder/run` as its /tmp, in a mount namespace of its own
+    (util-linux's unshare, as a user namespace's root). Where the kernel allows
+    none (user namespaces off), weed runs as it is: its gRPC sockets then go to its fixed /tmp
+    names, which `stop` leaves alone (it cannot prove they are this server's)."""
+    unshare = shutil.which("unshare")
+    ns = [unshare, "--map-root-user", "--mount"] if unshare else []
+    if ns and subprocess.run([*ns, "true"], capture_output=True).returncode == 0:
+        return [*ns, "sh", "-c", PRIVATE_TMP, str(folder.resolve()), binary, *args]
+    return [binary, *args]
+
+
 def stop(s3: S3) -> None:
-    """SIGTERM to weed's own process group, SIGKILL after STOP_S; then its socket files."""
+    """SIGTERM to weed's own process group, SIGKILL after STOP_S; then its private /tmp."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(s3.proc.pid, signal.SIGTERM)
     try:
@@ -226,21 +237,7 @@ def stop(s3: S3) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(s3.proc.pid, signal.SIGKILL)
         s3.proc.wait()
-    shutil.rmtree(s3.sockets, ignore_errors=True)
-    for sock in s3.grpc_sockets:
-        if made_by_us(sock, s3.started):
-            with contextlib.suppress(OSError):
-                sock.unlink()
-
-
-def made_by_us(path: Path, since: float) -> bool:
-    """A socket (not a link, not a file) this user made at or after `since`: what weed wrote at
-    its fixed /tmp name for this server, never another user's file planted there."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() and st.st_ctime >= since - 1
+    shutil.rmtree(s3.folder / RUN, ignore_errors=True)
 
 
 def main() -> None:
