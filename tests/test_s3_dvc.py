@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run
-from tests.support.services import s3  # noqa: F401 - the fixture
+from tests.conftest import ROOT, VENV_BIN, copy_repo, run
+from tests.support.services import s3, s3_client_env  # noqa: F401 - the fixture
 
 # A folder of its own in the session's bucket: other modules may keep DVC remotes there too.
 REMOTE = "s3://team-dvc/test_s3_dvc"
@@ -27,14 +27,6 @@ class Team:
     restore: str  # README's last line: what another clone runs
     key: str
     secret: str
-
-
-def client_env(tmp: Path, **extra: str) -> dict[str, str]:
-    """No keys but those given: none from the caller's environment or ~/.aws, and no lookup
-    of EC2's metadata address, which would leave loopback."""
-    env = {k: v for k, v in env_with().items() if not k.startswith("AWS_")}
-    return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "no-aws"),
-                  "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws")} | extra
 
 
 def readme_recipe() -> list[str]:
@@ -66,7 +58,7 @@ def team(tmp_path_factory, s3) -> Team:  # noqa: F811 - the fixture
     recipe = readme_recipe()
     assert recipe[0].startswith("make s3 ") and recipe[-1].startswith("dvc exp run --pull ")
     for line in recipe[1:-1]:
-        bash(as_run_here(line, s3), repo, client_env(tmp))
+        bash(as_run_here(line, s3), repo, s3_client_env(tmp))
     remote_commit = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "the run"], repo)
@@ -103,7 +95,7 @@ def test_readme_recipe_pushed_the_run_cache_and_a_fresh_clone_restores_it(team, 
     c = clone(team, tmp_path / "clone", team.remote_commit)
     assert run(["git", "diff", "--quiet", team.remote_commit, "HEAD", "--", ".dvc/config"],
                team.repo, check=False).returncode == 0  # the remote is in what was committed
-    p = bash(team.restore, c, client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key,
+    p = bash(team.restore, c, s3_client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key,
                                          AWS_SECRET_ACCESS_KEY=team.secret))
     # prepare may run again (cheap, and byte-identical: the hashes below), as it did on a CI
     # clone where DVC could not pull its data; the model stages must come from the run-cache.
@@ -119,7 +111,7 @@ def test_readme_recipe_pushed_the_run_cache_and_a_fresh_clone_restores_it(team, 
 def test_a_clone_of_the_committed_run_pulls_it_and_reruns_nothing(team, tmp_path):
     expected = hashes(team.repo)
     c = clone(team, tmp_path / "clone")
-    env = client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key, AWS_SECRET_ACCESS_KEY=team.secret)
+    env = s3_client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key, AWS_SECRET_ACCESS_KEY=team.secret)
     run(["dvc", "pull", "--run-cache"], c, env=env)
     p = run(["dvc", "repro"], c, env=env)
     for stage in STAGES:
@@ -170,7 +162,7 @@ def test_a_wrong_or_missing_key_fails_and_make_share_says_so_naming_the_remote(t
     repo = tmp_path / "repo"
     shutil.copytree(team.repo, repo, symlinks=True)  # copy2: the venv's stamp stays newer
     run(["dvc", "remote", "modify", "--local", "team", "secret_access_key", "not-the-secret"], repo)
-    env = client_env(tmp_path)
+    env = s3_client_env(tmp_path)
     before = {f: (repo / f).read_bytes() for f in ("dvc.lock", ".dvc/config")}
     keys = "`dvc remote modify --local team access_key_id KEY`"
 
@@ -179,7 +171,7 @@ def test_a_wrong_or_missing_key_fails_and_make_share_says_so_naming_the_remote(t
     assert pushed.returncode != 0 and "Forbidden" in pushed.stderr, pushed.stderr
     assert "Traceback" not in pushed.stderr
     c = clone(team, tmp_path / "clone")
-    pulled = run(["dvc", "pull"], c, env=client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key,
+    pulled = run(["dvc", "pull"], c, env=s3_client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key,
                                                      AWS_SECRET_ACCESS_KEY="not-the-secret"),
                  check=False)
     assert pulled.returncode != 0 and "Forbidden" in pulled.stderr, pulled.stderr
@@ -208,7 +200,7 @@ def test_an_experiment_pushed_with_dvc_exp_push_comes_back_on_a_fresh_clone(team
     run(["git", "clone", "-q", "--bare", str(team.repo), str(origin)], tmp_path)
     work = tmp_path / "work"  # a teammate's own clone, with the keys of README's recipe
     run(["git", "clone", "-q", str(origin), str(work)], tmp_path)
-    keys = client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key, AWS_SECRET_ACCESS_KEY=team.secret)
+    keys = s3_client_env(tmp_path, AWS_ACCESS_KEY_ID=team.key, AWS_SECRET_ACCESS_KEY=team.secret)
     run(["dvc", "pull", "-q"], work, env=keys)
     # Only evaluate reruns (its params changed): cheap, and a new output to share.
     ran = run(["dvc", "exp", "run", "-n", "eval-10", "-S", "eval.misclassified_max=10"], work,

@@ -21,15 +21,14 @@ import pytest
 
 from stages.team.s3 import S3, start, stop, weed
 from tests.conftest import ROOT, run
-from tests.support.services import free_port, s3, server_env  # noqa: F401 - the fixture
-from tests.test_s3_dvc import client_env
+from tests.support.services import free_port, s3, s3_client_env, server_env  # noqa: F401 - the fixture
 
 
 def workspace(path: Path, s3: S3, url: str, files: int = 5, size: int = 1000) -> Path:  # noqa: F811
     """git and DVC, `files` random files in data/, a stage copying them to out/ (run, so the
     run-cache has an entry), committed; the remote `team` at `url` on `s3`, its keys local."""
     path.mkdir(parents=True)
-    env = client_env(path)
+    env = s3_client_env(path)
     run(["git", "init", "-q", "-b", "main"], path, env=env)
     run(["dvc", "init", "-q"], path, env=env)
     (path / "data").mkdir()
@@ -50,7 +49,7 @@ def workspace(path: Path, s3: S3, url: str, files: int = 5, size: int = 1000) ->
 def share(w: Path, **env: str) -> subprocess.CompletedProcess:
     """What `make share` runs, in `w`."""
     return run([sys.executable, "-m", "stages.team.share"], w, check=False,
-               env=client_env(w.parent, PYTHONPATH=str(ROOT), **env))
+               env=s3_client_env(w.parent, PYTHONPATH=str(ROOT), **env))
 
 
 def one_line(p: subprocess.CompletedProcess) -> str:
@@ -82,14 +81,14 @@ def pulled(w: Path, dest: Path, **env: str) -> subprocess.CompletedProcess:
     """A clone of `w` with its keys, `dvc pull`ed: what another machine gets from the remote."""
     run(["git", "clone", "-q", str(w), str(dest)], dest.parent)
     shutil.copy(w / ".dvc/config.local", dest / ".dvc/config.local")
-    return run(["dvc", "pull"], dest, env=client_env(dest.parent, **env), check=False)
+    return run(["dvc", "pull"], dest, env=s3_client_env(dest.parent, **env), check=False)
 
 
 def test_a_missing_bucket_is_one_line_naming_it_and_is_not_created(s3, tmp_path):  # noqa: F811
     w = workspace(tmp_path / "w", s3, "s3://no-such-bucket/dvc")
 
     # DVC's own words: neither the remote nor what to do.
-    p = run(["dvc", "push"], w, env=client_env(tmp_path), check=False)
+    p = run(["dvc", "push"], w, env=s3_client_env(tmp_path), check=False)
     assert p.returncode == 255 and p.stderr.startswith(
         "ERROR: unexpected error - The specified bucket does not exist: An error occurred "
         "(NoSuchBucket) when calling the ListObjectsV2 operation"), p.stderr
@@ -119,7 +118,7 @@ def own_s3(tmp_path):
 def test_a_private_ca_is_one_line_naming_both_ways_to_trust_it_and_either_works(own_s3, tmp_path):
     tls = own_s3(tls=True)
     w = workspace(tmp_path / "w", tls, "s3://team-dvc/tls")
-    p = run(["dvc", "push"], w, env=client_env(tmp_path, AWS_MAX_ATTEMPTS="1"), check=False)
+    p = run(["dvc", "push"], w, env=s3_client_env(tmp_path, AWS_MAX_ATTEMPTS="1"), check=False)
     assert p.returncode == 255 and "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: " \
         "unable to get local issuer certificate" in p.stderr, p.stderr
 
@@ -160,7 +159,7 @@ def start_server(artifacts: str, env: dict[str, str], tmp: Path,
                 "--port", str(port or free_port()), "--workers", "1"], ROOT, check=False,
                timeout=120,
                env={k: v for k, v in server_env("admin", "pw-" + "x" * 20).items()
-                    if not k.startswith(("AWS_", "MLFLOW_S3_"))} | client_env(tmp) | env)
+                    if not k.startswith(("AWS_", "MLFLOW_S3_"))} | s3_client_env(tmp) | env)
 
 
 def test_make_server_checks_its_artifact_bucket_before_it_is_ready(s3, tmp_path):  # noqa: F811
@@ -206,7 +205,7 @@ def nothing_half(server: S3, entries: int) -> set[str]:
 def sharing(w: Path, server: S3, at_least: int) -> subprocess.Popen:
     """`make share` in the background, once `at_least` objects are in kill/files/."""
     proc = subprocess.Popen([sys.executable, "-m", "stages.team.share"], cwd=w, text=True,
-                            env=client_env(w.parent, PYTHONPATH=str(ROOT)),
+                            env=s3_client_env(w.parent, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while len(keys(server, "team-dvc", "kill/files/")) < at_least:

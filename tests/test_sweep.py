@@ -18,7 +18,7 @@ from ruamel.yaml import YAML
 
 from stages.sweep.spec import SweepError, load_sweep
 from tests.conftest import ROOT, copy_repo, env_with, run
-from tests.support.services import create_database, postgres, s3  # noqa: F401
+from tests.support.services import create_database, postgres, s3, s3_client_env  # noqa: F401
 from tests.support.slurm_cluster import slurm  # noqa: F401
 
 GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
@@ -165,13 +165,6 @@ def project(tmp_path: Path, sweep: str, s3=None) -> Path:  # noqa: F811 - the fi
     return repo
 
 
-def no_aws(tmp: Path, **keys: str) -> dict[str, str]:
-    """The AWS_* variables of a machine that has only `keys`: none from ~/.aws, and no lookup of
-    EC2's metadata address, which would leave loopback."""
-    return {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "no-aws"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws"), **keys}
-
-
 def bucket(s3, prefix: str) -> dict[str, bytes]:  # noqa: F811 - the fixture's value
     """Every object under `prefix` of the DVC bucket: key -> bytes."""
     import boto3
@@ -206,7 +199,7 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
     repo = project(tmp_path, TINY, s3)
     uri = create_database(postgres, "sweep")
     study = "tiny"
-    coordinator = sweep(repo, env_with(REPROTRAIN_SWEEP_STORAGE=uri, **no_aws(tmp_path)), study)
+    coordinator = sweep(repo, s3_client_env(tmp_path, REPROTRAIN_SWEEP_STORAGE=uri), study)
     try:
         # SIGKILL to the worker's process group: as a node, a pod or the OOM killer takes a
         # worker with everything it started.
@@ -304,8 +297,9 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
     line = next(ln for ln in out.splitlines() if ln.startswith(f"best: {exp};"))
     other = tmp_path / "other"
     run(["git", "clone", "-q", str(tmp_path / "origin.git"), str(other)], tmp_path)
-    keys = no_aws(tmp_path, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
-    restored_here = run(["bash", "-ec", line.split(": ", 2)[2]], other, env=env_with(**keys))
+    keys = s3_client_env(tmp_path, AWS_ACCESS_KEY_ID=s3.access_key,
+                         AWS_SECRET_ACCESS_KEY=s3.secret_key)
+    restored_here = run(["bash", "-ec", line.split(": ", 2)[2]], other, env=keys)
     assert "Running stage" not in restored_here.stdout + restored_here.stderr
     lock = YAML(typ="safe").load((other / "dvc.lock").read_text())
     (model,) = [o for o in lock["stages"]["train"]["outs"] if o["path"] == "models/train/model.pt"]
@@ -503,7 +497,7 @@ def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(
                  ["modify", "--local", "team", "access_key_id", s3.access_key],
                  ["modify", "--local", "team", "secret_access_key", s3.secret_key]):
         run(["dvc", "remote", *args], repo)
-    run(["dvc", "push", "-q"], repo, env=env_with(**no_aws(tmp_path)))
+    run(["dvc", "push", "-q"], repo, env=s3_client_env(tmp_path))
 
     shared = shared_dvc_remote(repo)
     assert shared == {"url": url, "endpointurl": s3.endpoint}
@@ -513,7 +507,7 @@ def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(
     run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
     assert use_dvc_remote(clone, shared)
     assert s3.secret_key not in (clone / ".dvc/config.local").read_text()
-    run(["dvc", "pull", "-q"], clone, env=env_with(**no_aws(tmp_path, **keys)))
+    run(["dvc", "pull", "-q"], clone, env=s3_client_env(tmp_path, **keys))
     assert (clone / "data.txt").read_text() == "what a trial needs\n"
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "set-by-the-user")  # the environment's keys win
     assert "AWS_ACCESS_KEY_ID" not in dvc_remote_keys(repo)

@@ -28,6 +28,7 @@ from typing import Any
 
 from stages.config import DataConfig
 from stages.data import Split, save_prepared
+from stages.lib.ports import free_port
 from stages.sources import build_meta, from_arrays, load_digits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,13 +88,6 @@ def torchrun(node: Node, head: Node, port: int, rdzv_id: str) -> list[str]:
     # exec: the process started (and killed) is torchrun's agent itself
     argv = ["bash", "-c", f"HEAD={head.addr} ADDR={node.addr}\nexec {command}"]
     return ["ip", "netns", "exec", node.netns, *argv] if node.netns else argv
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (closed again when the socket goes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agent_env(mlflow_uri: str, **extra: str) -> dict[str, str]:

@@ -32,6 +32,17 @@ def clone(rev: str, dest: Path) -> Path:
     return dest
 
 
+def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
+    """Seconds a command took, and its output; a failure stops the bench with its output."""
+    start = time.perf_counter()
+    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if p.returncode:
+        raise RuntimeError(f"{' '.join(argv)} failed in {cwd} (exit {p.returncode}):\n"
+                           f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return seconds, p.stdout + p.stderr
+
+
 def run_stage(workspace: Path, stage: str) -> dict:
     """One stage in a fresh process; its own timing record where the revision writes one."""
     timings = workspace / ".timings.jsonl"

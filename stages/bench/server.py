@@ -11,48 +11,27 @@ alike; the median of the rounds is shown.
 
 from __future__ import annotations
 
-import os
-import secrets
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from stages.bench.pipeline import clone
+from stages.bench.sync import start_server
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 
 CASES = ("first_s", "again_s")
 
 
-def ready_s(code: Path, db: str, folder: Path) -> float:
+def ready_s(code: Path, folder: Path) -> float:
     """Seconds from the command to the server's "ready" line; the server is then stopped."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_"))} | {
-        "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "pw-bench-0123456789",
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32), "PYTHONPATH": str(code)}
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"server-{time.time_ns()}.out"
     t = time.perf_counter()
-    with out.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts",
-             str(folder / "artifacts"), "--port", str(port), "--workers", "1"],
-            cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while "MLflow server ready" not in out.read_text():
-            if proc.poll() is not None or time.perf_counter() - t > 300:
-                raise RuntimeError(f"the server did not start:\n{out.read_text()[-2000:]}")
-            time.sleep(0.05)
-        return time.perf_counter() - t
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+    proc, _, _ = start_server(folder, code)
+    took = time.perf_counter() - t
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return took
 
 
 def bench(revs: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
@@ -62,10 +41,9 @@ def bench(revs: list[str], rounds: int) -> dict[str, dict[str, list[float]]]:
         clones = {rev: clone(rev, root / f"rev-{i}") for i, rev in enumerate(revs)}
         for r in range(rounds):
             for i, (rev, code) in enumerate(clones.items()):
-                folder = root / f"run-{r}-{i}"
-                db = f"sqlite:///{folder / 'server.db'}"
-                results[rev]["first_s"].append(ready_s(code, db, folder))
-                results[rev]["again_s"].append(ready_s(code, db, folder))
+                folder = root / f"run-{r}-{i}"  # one database: its first start, then a restart
+                results[rev]["first_s"].append(ready_s(code, folder))
+                results[rev]["again_s"].append(ready_s(code, folder))
     return results
 
 

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from stages.bench.pipeline import timed
 from stages.team import s3 as s3_server
 
 REMOTES = ("folder", "s3")
@@ -54,22 +52,6 @@ CLONE_ROWS = {
 }
 
 
-def cpu_label() -> str:
-    """lscpu's model name, the cores and whether the CPU has AMX or bf16: figures differ across
-    CPUs, and the training row with them."""
-    try:
-        info = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        name = re.search(r"Model name:\s*(.+)", info).group(1).strip()
-        flags = re.search(r"Flags:\s*(.+)", info)
-        flags = set(flags.group(1).split()) if flags else set()
-    except (OSError, subprocess.CalledProcessError, AttributeError):
-        return f"unknown CPU, {os.cpu_count()} cores"
-    amx = "amx_bf16" in flags
-    bf16 = amx or "avx512_bf16" in flags
-    return (f"{name}, {os.cpu_count()} cores, "
-            f"{'AMX, bf16' if amx else 'AVX512-BF16, no AMX' if bf16 else 'no AMX, no bf16'}")
-
-
 def bench_env(tmp: Path, s3: s3_server.S3) -> dict[str, str]:
     """The caller's environment less its DVC, MLflow and AWS settings; this venv first on the
     PATH (DVC runs stage commands with it); the server's keys and nothing from ~/.aws; DVC's
@@ -84,17 +66,6 @@ def bench_env(tmp: Path, s3: s3_server.S3) -> dict[str, str]:
         "DVC_SITE_CACHE_DIR": str(tmp / "dvc-site-cache"), "TMPDIR": str(tmp / "tmp")}
     env.pop("MLFLOW_S3_ENDPOINT_URL")  # the stages log to the clone's own sqlite store
     return env
-
-
-def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    """Seconds a command took, and its output; a failure stops the bench with its output."""
-    start = time.perf_counter()
-    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed in {cwd} (exit {p.returncode}):\n"
-                           f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return seconds, p.stdout + p.stderr
 
 
 def dvc(*argv: str) -> list[str]:
@@ -244,6 +215,8 @@ def bench(source: Path, size_mb: int, file_kb: int, seed: int, repeats: int,
             samples.setdefault(key, []).append(seconds)
         print(f"  repeat {i + 1}/{repeats}: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                                          times.items()), file=sys.stderr, flush=True)
+    from stages.bench.training import cpu_label  # torch: only once the bench has run
+
     return {"samples": samples, **info, "repeats": repeats, "cpu": cpu_label()}
 
 

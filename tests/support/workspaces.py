@@ -4,11 +4,11 @@ trained or exported model, and the one-line error every failure must end in."""
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import time
 
 from stages.data import save_prepared
+from stages.lib.ports import free_port as closed_port  # noqa: F401 - nothing listens there
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
 
 
@@ -18,12 +18,6 @@ def workspace(path, digits, **params):
     set_params(path / "params.yaml", {"epochs": "3", "model.width": "8", **params})
     save_prepared(path / "data/prepared", *digits)
     return path
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again when the socket goes
 
 
 def one_error_line(stderr: str) -> str:
