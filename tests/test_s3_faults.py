@@ -327,7 +327,8 @@ def test_a_bucket_over_its_quota_is_one_line_and_the_push_completes_once_freed(s
 
 def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_path):
     """weed makes its gRPC sockets at /tmp/seaweedfs-<service>-grpc-<port>.sock, names another
-    user could take first: it runs with a /tmp of its own, its folder's `run/`, gone at stop."""
+    user could take first: it runs with a /tmp of its own, a new folder in its folder, gone at
+    stop."""
     if subprocess.run(["unshare", "--map-root-user", "--mount", "true"],
                       capture_output=True).returncode:
         pytest.skip("no mount namespace here: weed keeps its fixed /tmp names")
@@ -336,10 +337,10 @@ def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_pat
         args = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
         grpc = [a.split(b"=")[1].decode() for a in args if b".port.grpc=" in a]
         assert len(grpc) == 5, args
-        made = {p.name for p in (tmp_path / "s3/run").iterdir()}
+        made = {p.name for p in server.tmp.iterdir()}
         assert {"filer.sock", "s3.sock"} <= made, made
         assert any(f"-grpc-{port}.sock" in name for name in made for port in grpc), made
         assert not [port for port in grpc if list(Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"))]
     finally:
         stop(server)
-    assert not (tmp_path / "s3/run").exists()
+    assert not server.tmp.exists() and server.tmp.parent == tmp_path / "s3"

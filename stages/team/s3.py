@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,15 +35,14 @@ PORTS = ("master", "volume", "filer", "admin")
 START_S = 60.0
 STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
 # weed makes its gRPC sockets at fixed names, /tmp/seaweedfs-<service>-grpc-<port>.sock, where
-# another user could have planted a file first. It runs with a /tmp of its own instead: this
-# folder (under `start`'s folder, 0700), mounted over /tmp in a mount namespace of its own.
-RUN = "run"
-# In that namespace ($0 `start`'s folder, $1 weed): the folder also at run/w, so that it stays
-# reachable, as /tmp/w, when it is itself under /tmp; run/ over /tmp; weed from an fd opened
-# before (its path may be under /tmp too: a checkout there), in /tmp/w, where its relative paths
-# and its working directory resolve.
-PRIVATE_TMP = (f'exec 3<"$1" && mount --bind "$0" "$0/{RUN}/w" && mount --rbind "$0/{RUN}" /tmp '
-               '&& cd /tmp/w && shift && exec /proc/self/fd/3 "$@"')
+# another user could have planted a file first. It runs with a /tmp of its own instead: a new
+# 0700 folder in `start`'s folder, mounted over /tmp in a mount namespace of its own.
+# In that namespace ($0 `start`'s folder, $1 that new folder, $2 weed): the folder also at $1/w,
+# so that it stays reachable, as /tmp/w, when it is itself under /tmp; $1 over /tmp; weed from
+# an fd opened before (its path may be under /tmp too: a checkout there), in /tmp/w, where its
+# relative paths and its working directory resolve.
+PRIVATE_TMP = ('exec 3<"$2" && mount --bind "$0" "$1/w" && mount --rbind "$1" /tmp && cd /tmp/w '
+               '&& shift 2 && exec /proc/self/fd/3 "$@"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +53,7 @@ class S3:
     buckets: tuple[str, ...]
     proc: subprocess.Popen
     folder: Path
+    tmp: Path  # weed's own /tmp, in `folder`: made by `start`, removed by `stop`
     ca: Path | None = None  # the private CA that signed its certificate, when it serves HTTPS
 
     def env(self) -> dict[str, str]:
@@ -150,8 +151,10 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
         [f"-s3.port.grpc={s3_grpc}"]
     # The filer's and S3's sockets beside the gRPC ones, by short relative paths (a socket path
     # holds 107 bytes): weed runs in the folder.
-    extra += [f"-filer.localSocket={RUN}/filer.sock", f"-s3.localFilerSocket={RUN}/filer.sock",
-              f"-s3.localSocket={RUN}/s3.sock"]
+    tmp = Path(tempfile.mkdtemp(prefix="weed-tmp-", dir=folder))
+    (tmp / "w").mkdir()
+    extra += [f"-filer.localSocket={tmp.name}/filer.sock",
+              f"-s3.localFilerSocket={tmp.name}/filer.sock", f"-s3.localSocket={tmp.name}/s3.sock"]
     cmd = ["-logdir=logs", "mini", "-dir=data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            f"-s3.port={port}", "-s3.config=identities.json", "-master.telemetry=false",
            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
@@ -162,15 +165,12 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
         ca, cert, tls_key = self_signed(folder / "tls")
         cmd += [f"-s3.cert.file={cert.relative_to(folder)}",
                 f"-s3.key.file={tls_key.relative_to(folder)}"]
-    shutil.rmtree(folder / RUN, ignore_errors=True)  # a killed server's, in our own folder
-    (folder / RUN).mkdir(mode=0o700)
-    (folder / RUN / "w").mkdir()
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
-    proc = subprocess.Popen(with_private_tmp(weed(), cmd, folder), cwd=folder, stdout=log,
+    proc = subprocess.Popen(with_private_tmp(weed(), cmd, folder, tmp), cwd=folder, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=os.environ | {"TMPDIR": "/tmp"}, start_new_session=True)
     s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
-            secret_key=secret, buckets=buckets, proc=proc, folder=folder, ca=ca)
+            secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca)
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -206,15 +206,16 @@ def answers(s3: S3) -> bool:
     return True
 
 
-def with_private_tmp(binary: str, args: list[str], folder: Path) -> list[str]:
-    """`binary args` in `folder`, with `folder/run` as its /tmp, in a mount namespace of its own
+def with_private_tmp(binary: str, args: list[str], folder: Path, tmp: Path) -> list[str]:
+    """`binary args` in `folder`, with `tmp` (a folder in it) as its /tmp, in a mount namespace of its own
     (util-linux's unshare, as a user namespace's root). Where the kernel allows
     none (user namespaces off), weed runs as it is: its gRPC sockets then go to its fixed /tmp
     names, which `stop` leaves alone (it cannot prove they are this server's)."""
     unshare = shutil.which("unshare")
     ns = [unshare, "--map-root-user", "--mount"] if unshare else []
     if ns and subprocess.run([*ns, "true"], capture_output=True).returncode == 0:
-        return [*ns, "sh", "-c", PRIVATE_TMP, str(folder.resolve()), binary, *args]
+        return [*ns, "sh", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()), binary,
+                *args]
     return [binary, *args]
 
 
@@ -228,7 +229,7 @@ def stop(s3: S3) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(s3.proc.pid, signal.SIGKILL)
         s3.proc.wait()
-    shutil.rmtree(s3.folder / RUN, ignore_errors=True)
+    shutil.rmtree(s3.tmp, ignore_errors=True)
 
 
 def main() -> None:
