@@ -8,6 +8,13 @@ for plumbing that knows no params schema.
 import importlib.abc
 import sys
 
+# `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which has
+# torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.
+if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:
+    from stages.lib.warm import hand_off
+
+    hand_off(sys.orig_argv[sys.orig_argv.index("-m") + 1])
+
 # Modules that moved into packages: `python -m stages.sync` or `from stages import sync` names
 # the new place instead of failing with a bare "No module named".
 MOVED = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -19,9 +20,10 @@ from tests.conftest import ROOT, copy_repo, env_with, run
 # tests/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
 TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
 # Modules that change no output either: stages/__init__.py (the finder that names a moved
-# module's new place), stages/lib/cli.py (exit codes, one-line errors, argparse helpers) and
-# stages/lib/errors.py (the error class they print).
-NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli", "stages.lib.errors"}
+# module's new place, and the hand-off to the warm process), stages/lib/cli.py (exit codes,
+# one-line errors, argparse helpers), stages/lib/errors.py (the error class they print) and
+# stages/lib/warm.py (which process runs a stage; tests/test_warm.py proves the same bytes).
+NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli", "stages.lib.errors", "stages.lib.warm"}
 
 
 def team(module: str) -> bool:
@@ -67,9 +69,17 @@ def test_the_cli_module_changes_no_output():
                                      if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "argparse", "atexit", "json", "os", "select", "signal",
                         "subprocess", "sys", "threading", "time", "typing", "collections.abc",
-                        "contextlib", "pathlib", "stages.lib.errors", "stages.lib.files"}, imported
+                        "contextlib", "pathlib", "stages.lib.errors", "stages.lib.files",
+                        "stages.lib.warm"}, imported
     errors = ast.parse((ROOT / "stages/lib/errors.py").read_text())
     assert not [n for n in ast.walk(errors) if isinstance(n, ast.Import | ast.ImportFrom)]
+    # The warm process imports only the standard library: it holds no module of this project,
+    # so each stage it forks imports the caller's own code.
+    tree = ast.parse((ROOT / "stages/lib/warm.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
+                                     if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= sys.stdlib_module_names | {"__future__"}, imported
 
 
 def test_a_training_only_change_never_reruns_prepare():

@@ -1,9 +1,11 @@
 """python -m stages.bench.training --pipeline: where an experiment's wall time goes, stage by stage.
 
-Each git revision gets its own clone; every round runs the four stages there as DVC runs them
+Each git revision gets its own clone; every round runs the stages there as DVC runs them
 (`python -m stages.<name>`, a fresh process each), rounds interleaved across revisions so that
-a noisy neighbour slows them alike. Round 0 is a discarded warm-up: it creates the clone's
-data, `mlflow.db` (schema migrations) and Python's bytecode caches, which a user pays once.
+a noisy neighbour slows them alike. A revision with the warm process (stages/lib/warm.py) runs
+twice per round: cold (`REPROTRAIN_WARM=0`, each stage imports everything itself) and warm.
+Round 0 is a discarded warm-up: it creates the clone's data, `mlflow.db` (schema migrations),
+Python's bytecode caches and the warm process, which a user pays once.
 
 Per stage: the wall time of the process, split into start-up (interpreter and imports, up to
 the stage's `main`), tracking (MLflow calls, their imports included), the training loop, the
@@ -22,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("prepare", "train", "evaluate", "export")
+STAGES = ("params", "prepare", "train", "evaluate", "export")  # params: where a revision has it
 PARTS = ("startup_s", "tracking_s", "loop_s", "work_s", "exit_s")
 
 
@@ -43,12 +45,14 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
     return seconds, p.stdout + p.stderr
 
 
-def run_stage(workspace: Path, stage: str) -> dict:
+def run_stage(workspace: Path, stage: str, warm: bool = False) -> dict:
     """One stage in a fresh process; its own timing record where the revision writes one."""
     timings = workspace / ".timings.jsonl"
     timings.unlink(missing_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "DVC_"))}
-    env |= {"REPROTRAIN_TIMINGS": str(timings), "REPROTRAIN_T0": repr(time.time())}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLFLOW_", "DVC_", "REPROTRAIN_WARM"))}
+    env |= {"REPROTRAIN_TIMINGS": str(timings), "REPROTRAIN_T0": repr(time.time()),
+            **({} if warm else {"REPROTRAIN_WARM": "0"})}
     start = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=workspace, env=env,
                        capture_output=True, text=True)
@@ -61,23 +65,35 @@ def run_stage(workspace: Path, stage: str) -> dict:
         m |= {"startup_s": rec["startup_s"], "tracking_s": rec["tracking_s"],
               "loop_s": rec["loop_s"], "exit_s": wall - rec["startup_s"] - rec["main_s"],
               "work_s": rec["main_s"] - rec["tracking_s"] - rec["loop_s"]}
+        if rec.get("warm", False) != warm:  # a warm row must not hide a cold run, or the reverse
+            raise RuntimeError(f"{stage} in {workspace} ran {'cold' if warm else 'warm'}")
     elif stage == "train":  # an older revision: the loop's seconds end its last line
         found = re.search(r"([\d.]+)s\s*$", p.stdout)
         m["loop_s"] = float(found.group(1)) if found else None
     return m
 
 
+def variants(rev: str, ws: Path) -> dict[str, tuple[Path, bool]]:
+    """The rows a revision gets: cold and warm where it has the warm process."""
+    if not (ws / "stages/lib/warm.py").exists():
+        return {rev: (ws, False)}
+    return {f"{rev} cold": (ws, False), f"{rev} warm": (ws, True)}
+
+
 def pipeline(revs: list[str], rounds: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-        spaces = {rev: clone(rev, Path(tmp) / f"r{i}") for i, rev in enumerate(revs)}
-        samples: dict[str, dict[str, list[dict]]] = {r: {s: [] for s in STAGES} for r in revs}
+        spaces = {label: v for i, rev in enumerate(revs)
+                  for label, v in variants(rev, clone(rev, Path(tmp) / f"r{i}")).items()}
+        samples: dict[str, dict[str, list[dict]]] = {
+            label: {s: [] for s in STAGES if (ws / f"stages/{s}.py").exists()}
+            for label, (ws, _) in spaces.items()}
         for round_ in range(rounds + 1):
-            for rev, ws in spaces.items():
-                for stage in STAGES:
-                    m = run_stage(ws, stage)
+            for label, (ws, warm) in spaces.items():
+                for stage in samples[label]:
+                    m = run_stage(ws, stage, warm)
                     if round_:
-                        samples[rev][stage].append(m)
-                    print(f"  round {round_}/{rounds} {rev} {stage}: {m['wall_s']:.1f} s",
+                        samples[label][stage].append(m)
+                    print(f"  round {round_}/{rounds} {label} {stage}: {m['wall_s']:.1f} s",
                           file=sys.stderr, flush=True)
     out = {}
     for rev, stages in samples.items():

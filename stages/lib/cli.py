@@ -79,7 +79,10 @@ def run_stage(main: Callable[[], None]) -> None:
             raise
         sys.exit(f"error: {e.strerror}" + (f": {e.filename}" if e.filename else ""))
     if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
+        from stages.lib.warm import in_warm_child
+
         record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
+                  "warm": in_warm_child(),
                   "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
                   **STAGE_TIMES, "imported": [m for m in HEAVY_IMPORTS if m in sys.modules]}
         with open(os.environ["REPROTRAIN_TIMINGS"], "a") as f:

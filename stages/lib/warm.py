@@ -1,0 +1,322 @@
+"""A warm process for the pipeline's stages: torch, MLflow and the exporter imported once, and
+each stage forked from it with the caller's arguments, folder, environment and streams.
+
+DVC runs every stage as `python -m stages.<name>`, a fresh process that imports torch, MLflow
+and, in train and export, torch's compiler and ONNX's exporter again: 2 to 6 s a stage, more
+than the training loop of a small experiment. So the first stage starts this process in the
+background and runs as it always did; each later one connects to it over a unix socket, and it
+forks a child that runs the stage. The caller waits, forwards its signals (Ctrl-C, SIGTERM) to
+the child, and ends with the child's status; a caller killed with SIGKILL takes the child with
+it. A stage runs the same code either way, and writes the same bytes (tests/test_warm.py).
+
+Only libraries are imported ahead, never this project's code: a child imports `stages` from
+the caller's checkout, so an edited stage runs as edited. A warm process serves only callers
+that would have imported those libraries alike: the same interpreter and installed packages,
+this file, user, namespaces, cgroup, CPU affinity, resource limits and environment (less the
+variables that name a run: DVC's, MLflow's tracking URI and logins, S3 keys, SLURM's). Any
+difference starts another. It exits after IDLE_S seconds without a caller. `REPROTRAIN_WARM=0`
+turns it off; distributed workers (torchrun's) always run cold.
+
+Standard library only, and run as a script (`python -P warm.py serve ...`), so that the warm
+process holds no module of the checkout that happened to start it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+# The pipeline's stages; `python -m stages.predict` and the team's tools always run cold.
+STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "export")}
+# What the stages import that costs seconds: torch, MLflow with its sqlite store and pyfunc
+# flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter, the
+# stratified split's scikit-learn, and evaluate's matplotlib.
+PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
+           "onnxscript", "mlflow", "mlflow.pyfunc", "mlflow.store.tracking.sqlalchemy_store",
+           "sklearn.model_selection", "matplotlib", "safetensors.torch")
+IDLE_S = 300.0
+# Variables that name a run rather than shape an import: a caller may differ in them and still
+# be served. Everything else in the environment is part of the warm process's key.
+RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "SLURM_", "AWS_",
+                 "PYTEST_", "MLFLOW_TRACKING_", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_",
+                 "MLFLOW_REGISTRY_URI", "MLFLOW_S3_", "PWD", "OLDPWD", "SHLVL", "_",
+                 "COLUMNS", "LINES")
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+           signal.SIGUSR2)
+HEADER = struct.Struct("!I")
+
+
+def hand_off(module: str) -> None:
+    """Called as `python -m <module>` starts: run it in the warm process and exit with its
+    status, or return (start one for the next stage, where none serves) to run it here."""
+    if module not in STAGES or os.environ.get("REPROTRAIN_WARM", "1") == "0" \
+            or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    try:
+        path = socket_path()
+        conn = connect(path)
+    except (OSError, AttributeError, ValueError):
+        return  # no private folder for the socket, or not Linux: run cold
+    if conn is None:
+        start(path)
+        return
+    with conn:
+        ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+        request = {"module": module, "argv": sys.argv[1:], "cwd": os.getcwd(),
+                   "env": dict(os.environ), "path": sys.path, "umask": os.umask(0o22),
+                   "ignored": ignored}
+        os.umask(request["umask"])
+        try:
+            payload = json.dumps(request).encode()
+            socket.send_fds(conn, [HEADER.pack(len(payload))], [0, 1, 2])
+            conn.sendall(payload)
+            if conn.recv(1) != b"+":  # the warm process could not take it: nothing ran
+                return
+        except OSError:
+            return
+        def forward(sig: int, _frame: object) -> None:
+            try:
+                conn.send(bytes([sig]))
+            except OSError:
+                pass
+        for sig in set(SIGNALS) - set(ignored):
+            signal.signal(sig, forward)
+        status = b""
+        while len(status) < 4:
+            chunk = conn.recv(4 - len(status))
+            if not chunk:  # the warm process died under the stage
+                sys.stderr.write("error: the stage's warm process ended without its status; "
+                                 "rerun, or set REPROTRAIN_WARM=0 to run stages cold\n")
+                os._exit(1)
+            status += chunk
+    code = os.waitstatus_to_exitcode(struct.unpack("!i", status)[0])
+    if code < 0:  # killed by a signal: end the same way, as DVC and the shell expect
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def in_warm_child() -> bool:
+    """Whether this process is a stage forked from a warm process."""
+    return len(sys.orig_argv) > 3 and Path(sys.orig_argv[-3]).name == "warm.py" \
+        and sys.orig_argv[-2] == "serve"
+
+
+def socket_path() -> Path:
+    """The socket for this caller's key, in a folder of this user's only, inside the venv (one
+    place for every checkout and HOME that uses it; never a guessable name in /tmp)."""
+    folder = Path(sys.prefix) / "var" / "reprotrain-warm"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder} is not this user's alone")
+    path = folder / f"{key()}.sock"
+    if len(os.fsencode(path)) > 100:  # a socket's path holds 107 bytes
+        raise OSError(f"{path} is too long for a socket")
+    return path
+
+
+def key() -> str:
+    """What a forked child inherits from the warm process instead of from its caller."""
+    def read(p: str) -> str:
+        try:
+            return os.readlink(p) if p.startswith("/proc/self/ns/") else Path(p).read_text()
+        except OSError:
+            return ""
+    site = sysconfig.get_paths()["purelib"]
+    parts = [sys.executable, sys.prefix, sys.version, sys.flags, sys._xoptions, sys.warnoptions,
+             os.stat(site).st_mtime_ns,
+             hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+             os.getuid(), os.getgid(), sorted(os.getgroups()), sorted(os.sched_getaffinity(0)),
+             [read(f"/proc/self/ns/{n}") for n in ("net", "mnt", "user", "ipc", "uts", "pid")],
+             read("/proc/self/cgroup"), os.getpriority(os.PRIO_PROCESS, 0),
+             [resource.getrlimit(getattr(resource, n)) for n in dir(resource)
+              if n.startswith("RLIMIT_")],
+             sorted((k, v) for k, v in os.environ.items() if not k.startswith(RUN_VARIABLES))]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+def connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if uid != os.getuid():
+        conn.close()
+        return None
+    return conn
+
+
+def start(path: Path) -> None:
+    """A warm process for this key, in the background, in a session of its own and without the
+    caller's streams (a pipe it held open would keep the caller's reader waiting)."""
+    log = open(path.with_suffix(".log"), "ab")
+    with log:
+        subprocess.Popen([sys.executable, "-P", __file__, "serve", str(path)],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                         start_new_session=True)  # in no caller's folder: it outlives them
+
+
+def serve(path: Path) -> None:
+    """Import the libraries, then fork a child per caller until IDLE_S pass without one."""
+    import fcntl
+    import importlib
+
+    lock = open(path.with_suffix(".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another caller started one first
+    started = time.monotonic()
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # CUDA cannot cross a fork
+        print("warm: an import initialized CUDA; not serving", flush=True)
+        return
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = path.with_suffix(f".{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    server.bind(str(tmp))
+    server.listen(64)
+    os.replace(tmp, path)  # callers find it only once everything is imported
+    print(f"warm: serving {path.name} {time.monotonic() - started:.1f} s after start",
+          flush=True)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+    try:
+        while select.select([server], [], [], IDLE_S)[0]:
+            conn, _ = server.accept()
+            if os.fork() == 0:
+                server.close()
+                lock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                try:
+                    run_for(conn)
+                except BaseException:
+                    sys.excepthook(*sys.exc_info())  # into the log
+                finally:
+                    os._exit(1)
+            conn.close()
+    finally:
+        if path.exists() and path.stat().st_ino == os.fstat(server.fileno()).st_ino:
+            path.unlink()
+
+
+def run_for(conn: socket.socket) -> None:
+    """In a fork per caller: the stage in a child of its own, its signals forwarded, its status
+    sent back; the stage is killed with its process group if the caller goes."""
+    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    if uid != os.getuid():
+        return
+    header, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
+    if len(header) != HEADER.size or len(fds) != 3:
+        return
+    (size,) = HEADER.unpack(header)
+    payload = b""
+    while len(payload) < size:
+        chunk = conn.recv(size - len(payload))
+        if not chunk:
+            return
+        payload += chunk
+    request = json.loads(payload)
+    if not os.path.isdir(request["cwd"]):
+        conn.send(b"-")
+        return
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        stage(request, fds)
+    with contextlib.suppress(OSError):  # its own group from the start, whichever runs first
+        os.setpgid(pid, pid)
+    for fd in fds:
+        os.close(fd)
+    conn.send(b"+")
+    child = os.pidfd_open(pid)
+    while True:
+        ready = select.select([conn, child], [], [])[0]
+        if child in ready:
+            conn.send(struct.pack("!i", os.waitpid(pid, 0)[1]))
+            return
+        signals = conn.recv(64)
+        if not signals:  # the caller is gone: so is its stage, as a killed process group
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        for sig in signals:  # to its group, as a terminal's Ctrl-C reaches the workers too
+            os.killpg(pid, sig)
+
+
+def stage(request: dict, fds: list[int]) -> None:
+    """The stage, as `python -m module` would run it in the caller's place; never returns."""
+    import atexit
+    import random
+    import runpy
+    import threading
+
+    with contextlib.suppress(OSError):  # its own group: what it starts goes with it
+        os.setpgid(0, 0)
+    for fd, std in zip(fds, (0, 1, 2), strict=True):
+        os.dup2(fd, std)
+        os.close(fd)
+    if not (sys.stdout.write_through or sys.stdout.line_buffering):
+        sys.stdout.reconfigure(line_buffering=sys.stdout.isatty())
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[:] = request["path"]
+    sys.argv[:] = ["-m", *request["argv"]]
+    for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
+        signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else
+                      signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    # A fresh process's randomness: its own seeds, and torch's generator as import left it.
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(sys.modules["torch"].initial_seed())
+    code: object = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as Python ends on an uncaught Ctrl-C
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    # The interpreter's own shutdown steps that matter (stages.lib.cli.exit_now says why).
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(Path(sys.argv[2]))

@@ -1,0 +1,136 @@
+"""The warm process (stages/lib/warm.py): a stage forked from it runs the caller's code in the
+caller's folder, writes the bytes a cold stage writes, and goes when its caller goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.lib import warm
+from tests.conftest import ROOT, copy_repo, env_with, run
+from tests.support.workspaces import interruptible, one_error_line, wait_for_checkpoint, workspace
+
+TINY = {"epochs": "3", "model.width": "8"}
+
+
+def warmed(cwd: Path, env: dict) -> Path:
+    """The warm process for this environment, serving: started by a first stage, as DVC's
+    first stage starts it."""
+    sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
+                     "print(socket_path())"], cwd, env).stdout.strip())
+    if not sock.exists():
+        run([sys.executable, "-m", "stages.params"], cwd, env)
+    deadline = time.time() + 180
+    while not sock.exists():
+        assert time.time() < deadline, f"no warm process at {sock}"
+        time.sleep(0.2)
+    return sock
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def stage_processes(folder: Path) -> list[int]:
+    """Python processes working in `folder`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cwd").resolve() == folder.resolve() \
+                    and b"python" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_warm_pipeline_writes_the_bytes_a_cold_one_writes(tmp_path, mlflow_uri):
+    repo = copy_repo(tmp_path / "repo", TINY)
+    timings = tmp_path / "timings.jsonl"
+    env = env_with(MLFLOW_TRACKING_URI=mlflow_uri, REPROTRAIN_TIMINGS=str(timings))
+    run(["dvc", "repro"], repo, env_with(**env, REPROTRAIN_WARM="0"))
+    assert {r["stage"]: r["warm"] for r in records(timings)} == dict.fromkeys(
+        ["params", "prepare", "train", "evaluate", "export"], False)
+    outputs = sorted(p for p in (repo / "models").rglob("*") if p.is_file()
+                     and p.name != "run.json")  # run.json names the MLflow run: never the same
+    cold = {p: p.read_bytes() for p in [*outputs, repo / "dvc.lock"]}
+
+    warmed(repo, env)
+    timings.unlink()
+    run(["dvc", "repro", "--force"], repo, env)
+    assert {r["stage"]: r["warm"] for r in records(timings)} == dict.fromkeys(
+        ["params", "prepare", "train", "evaluate", "export"], True)
+    assert sorted(p for p in (repo / "models").rglob("*") if p.is_file()
+                  and p.name != "run.json") == outputs
+    changed = [str(p.relative_to(repo)) for p, b in cold.items() if p.read_bytes() != b]
+    assert changed == []  # dvc.lock too: a forced warm rerun is byte for byte the cold run
+
+
+def test_a_warm_stage_runs_the_callers_code_and_ends_as_a_cold_one_does(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    env = env_with()
+    warmed(repo, env)
+    params = repo / "stages/params.py"
+    params.write_text(params.read_text().replace(
+        'if __name__ == "__main__":', 'print("edited in this checkout")\n\nif __name__ == "__main__":'))
+    assert "edited in this checkout" in run([sys.executable, "-m", "stages.params"], repo, env).stdout
+    (repo / "params.yaml").write_text((repo / "params.yaml").read_text().replace("lr: 0.003", "lr: -1"))
+    both = [run([sys.executable, "-m", "stages.params"], repo, env_with(**env, REPROTRAIN_WARM=w),
+                check=False) for w in ("0", "1")]
+    assert [p.returncode for p in both] == [1, 1]
+    assert both[0].stderr == both[1].stderr and "lr" in one_error_line(both[1].stderr)
+
+
+def test_ctrl_c_reaches_a_warm_stage_and_sigkill_takes_it_with_its_caller(tmp_path, digits,
+                                                                         mlflow_uri):
+    w = workspace(tmp_path / "w", digits, epochs="40", batch_size="16")
+    env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri)
+    warmed(w, env)
+
+    def train() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, env=env,
+                                text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=interruptible)
+    proc = train()
+    wait_for_checkpoint(proc, w)
+    assert [p for p in stage_processes(w) if p != proc.pid]  # the stage runs in another process
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted (Ctrl-C)" in one_error_line(err)
+
+    proc = train()  # resumes, then its caller is killed as `kill -9` or a CI timeout would
+    wait_for_checkpoint(proc, w, epoch=3)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while stage_processes(w):
+        assert time.time() < deadline, f"left running: {stage_processes(w)}"
+        time.sleep(0.1)
+
+
+def test_only_what_imports_read_decides_which_warm_process_serves(monkeypatch):
+    before = warm.key()
+    for name, value in {"DVC_ROOT": "/elsewhere", "MLFLOW_TRACKING_URI": "http://x",
+                        "AWS_SECRET_ACCESS_KEY": "s", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)  # they name a run: the same warm process serves it
+    assert warm.key() == before
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read as torch loads: another warm process
+    assert warm.key() != before
+
+
+def test_no_socket_in_a_folder_others_can_enter(tmp_path, monkeypatch):
+    folder = tmp_path / "var/reprotrain-warm"
+    folder.mkdir(parents=True, mode=0o755)
+    folder.chmod(0o755)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    with pytest.raises(PermissionError, match="not this user's alone"):
+        warm.socket_path()
+    folder.chmod(0o700)
+    assert warm.socket_path().parent == folder
