@@ -47,12 +47,13 @@ PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torc
            "onnxscript", "mlflow", "mlflow.pyfunc", "mlflow.store.tracking.sqlalchemy_store",
            "sklearn.model_selection", "matplotlib", "safetensors.torch")
 IDLE_S = 300.0
-# Variables that name a run rather than shape an import: a caller may differ in them and still
-# be served. Everything else in the environment is part of the warm process's key.
-RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "SLURM_", "AWS_",
-                 "PYTEST_", "MLFLOW_TRACKING_", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_",
-                 "MLFLOW_REGISTRY_URI", "MLFLOW_S3_", "PWD", "OLDPWD", "SHLVL", "_",
-                 "COLUMNS", "LINES")
+# Variables read when used, never as a library loads: a caller may differ in them and still be
+# served (a child runs with the caller's environment). Everything else in the environment is
+# part of the warm process's key; of MLflow's, only the two its import reads.
+RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "SLURM_", "AWS_", "PG",
+                 "PYTEST_", "MLFLOW_", "_MLFLOW_", "PATH", "TMPDIR", "TEMP", "TMP", "PWD",
+                 "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES")
+IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 HEADER = struct.Struct("!I")
@@ -144,7 +145,8 @@ def key() -> str:
              read("/proc/self/cgroup"), os.getpriority(os.PRIO_PROCESS, 0),
              [resource.getrlimit(getattr(resource, n)) for n in dir(resource)
               if n.startswith("RLIMIT_")],
-             sorted((k, v) for k, v in os.environ.items() if not k.startswith(RUN_VARIABLES))]
+             sorted((k, v) for k, v in os.environ.items()
+                    if k in IMPORT_VARIABLES or not k.startswith(RUN_VARIABLES))]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
@@ -269,6 +271,7 @@ def stage(request: dict, fds: list[int]) -> None:
     import atexit
     import random
     import runpy
+    import tempfile
     import threading
 
     with contextlib.suppress(OSError):  # its own group: what it starts goes with it
@@ -283,6 +286,7 @@ def stage(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
+    tempfile.tempdir = None  # found again from the caller's TMPDIR
     sys.argv[:] = ["-m", *request["argv"]]
     for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
         signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else
