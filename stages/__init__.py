@@ -10,7 +10,8 @@ import sys
 
 # `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which has
 # torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.
-if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:
+if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv \
+        and sys.orig_argv[sys.orig_argv.index("-m") + 1].count(".") == 1:
     from stages.lib.warm import hand_off
 
     hand_off(sys.orig_argv[sys.orig_argv.index("-m") + 1])

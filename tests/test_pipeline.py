@@ -24,10 +24,12 @@ from tests.conftest import (
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    """A fresh copy of the repo after one `dvc repro` with a short training run."""
+    """A fresh copy of the repo after one `dvc repro` with a short training run, every stage
+    cold: what each stage imports when it starts without the warm process (stages/lib/warm.py,
+    which has them all imported already)."""
     path = copy_repo(tmp_path_factory.mktemp("repo"), {"epochs": "3"})
     timings = tmp_path_factory.mktemp("timings") / "stages.jsonl"
-    run(["dvc", "repro"], path, env=env_with(REPROTRAIN_TIMINGS=str(timings)))
+    run(["dvc", "repro"], path, env=env_with(REPROTRAIN_TIMINGS=str(timings), REPROTRAIN_WARM="0"))
     shutil.copy(timings, path / ".dvc/tmp/stage-timings.jsonl")
     return path
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,13 @@ TINY = {"epochs": "3", "model.width": "8"}
 
 
 def warmed(cwd: Path, env: dict) -> Path:
-    """The warm process for this environment, serving: started by a first stage, as DVC's
-    first stage starts it."""
+    """The warm process for this environment, serving: started by a second stage, as in a
+    pipeline (the first only marks its environment as seen)."""
     sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
                      "print(socket_path())"], cwd, env).stdout.strip())
-    if not sock.exists():
-        run([sys.executable, "-m", "stages.params"], cwd, env)
+    for _ in range(2):
+        if not sock.exists():
+            run([sys.executable, "-m", "stages.params"], cwd, env)
     deadline = time.time() + 180
     while not sock.exists():
         assert time.time() < deadline, f"no warm process at {sock}"
@@ -121,16 +124,43 @@ def test_only_what_imports_read_decides_which_warm_process_serves(monkeypatch):
                         "AWS_SECRET_ACCESS_KEY": "s", "SLURM_JOB_ID": "7"}.items():
         monkeypatch.setenv(name, value)  # they name a run: the same warm process serves it
     assert warm.key() == before
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read as torch loads: another warm process
+    threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)  # read as torch loads: another warm process
     assert warm.key() != before
 
 
-def test_no_socket_in_a_folder_others_can_enter(tmp_path, monkeypatch):
-    folder = tmp_path / "var/reprotrain-warm"
-    folder.mkdir(parents=True, mode=0o755)
-    folder.chmod(0o755)
-    monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    with pytest.raises(PermissionError, match="not this user's alone"):
-        warm.socket_path()
-    folder.chmod(0o700)
-    assert warm.socket_path().parent == folder
+def test_no_socket_in_a_folder_others_can_enter(monkeypatch):
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp())  # short: pytest's folders are too long for a socket
+    try:
+        folder = tmp_path / "var/reprotrain-warm"
+        folder.mkdir(parents=True, mode=0o755)
+        folder.chmod(0o755)
+        monkeypatch.setattr(sys, "prefix", str(tmp_path))
+        with pytest.raises(PermissionError, match="not this user's alone"):
+            warm.socket_path()
+        folder.chmod(0o700)
+        assert warm.socket_path().parent == folder
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    env = env_with(WARM_TEST_RUN=uuid.uuid4().hex)  # an environment no warm process has served
+    sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
+                     "print(socket_path())"], repo, env).stdout.strip())
+    run([sys.executable, "-m", "stages.params"], repo, env)
+    time.sleep(2)
+    assert not sock.exists() and not [p for p in Path("/proc").glob("[0-9]*/cmdline")
+                                      if str(sock).encode() in p.read_bytes()]
+    run([sys.executable, "-m", "stages.params"], repo, env)  # within IDLE_S: now it is worth one
+    deadline = time.time() + 180
+    while not sock.exists():
+        assert time.time() < deadline, f"no warm process at {sock}"
+        time.sleep(0.2)
+    timings = tmp_path / "timings.jsonl"
+    run([sys.executable, "-m", "stages.params"], repo, env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
+    assert [r["warm"] for r in records(timings)] == [True]
+    subprocess.run(["pkill", "-f", str(sock)])  # its 1 GB is no use to any other test

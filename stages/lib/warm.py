@@ -3,11 +3,13 @@ each stage forked from it with the caller's arguments, folder, environment and s
 
 DVC runs every stage as `python -m stages.<name>`, a fresh process that imports torch, MLflow
 and, in train and export, torch's compiler and ONNX's exporter again: 2 to 6 s a stage, more
-than the training loop of a small experiment. So the first stage starts this process in the
-background and runs as it always did; each later one connects to it over a unix socket, and it
-forks a child that runs the stage. The caller waits, forwards its signals (Ctrl-C, SIGTERM) to
-the child, and ends with the child's status; a caller killed with SIGKILL takes the child with
-it. A stage runs the same code either way, and writes the same bytes (tests/test_warm.py).
+than the training loop of a small experiment. So a stage that finds a warm process connects to
+it over a unix socket, and it forks a child that runs the stage. One that finds none runs as it
+always did, and starts one in the background if another stage came for it within IDLE_S: a
+pipeline's second stage does, a lone command never pays for a warm process it would not use. The
+caller waits, forwards its signals (Ctrl-C, SIGTERM) to the child, and ends with the child's
+status; a caller killed with SIGKILL takes the child with it. A stage runs the same code either
+way, and writes the same bytes (tests/test_warm.py).
 
 Only libraries are imported ahead, never this project's code: a child imports `stages` from
 the caller's checkout, so an edited stage runs as edited. A warm process serves only callers
@@ -50,9 +52,11 @@ IDLE_S = 300.0
 # Variables read when used, never as a library loads: a caller may differ in them and still be
 # served (a child runs with the caller's environment). Everything else in the environment is
 # part of the warm process's key; of MLflow's, only the two its import reads.
-RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "SLURM_", "AWS_", "PG",
-                 "PYTEST_", "MLFLOW_", "_MLFLOW_", "PATH", "TMPDIR", "TEMP", "TMP", "PWD",
-                 "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES")
+RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELERY_", "SLURM_",
+                 "AWS_", "PG", "PYTEST_", "MLFLOW_", "_MLFLOW_", "PATH", "TMPDIR", "TEMP", "TMP",
+                 "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
+                 # set by a stage for the processes it starts; read by CUDA and Inductor when used
+                 "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR")
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
@@ -71,7 +75,11 @@ def hand_off(module: str) -> None:
     except (OSError, AttributeError, ValueError):
         return  # no private folder for the socket, or not Linux: run cold
     if conn is None:
-        start(path)
+        seen = path.with_suffix(".seen")
+        if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
+            start(path)
+        else:
+            seen.touch()
         return
     with conn:
         ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
@@ -220,6 +228,7 @@ def serve(path: Path) -> None:
     finally:
         if path.exists() and path.stat().st_ino == os.fstat(server.fileno()).st_ino:
             path.unlink()
+        path.with_suffix(".seen").unlink(missing_ok=True)
 
 
 def run_for(conn: socket.socket) -> None:

@@ -38,7 +38,7 @@ REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # and loads a saved model away from the checkout.
 PACKAGE = ("__init__.py", "config.py", "models.py", "predict.py", "sources.py", "weights.py",
            "lib/__init__.py", "lib/cli.py", "lib/errors.py", "lib/files.py", "lib/images.py",
-           "lib/paths.py", "lib/strict_yaml.py")
+           "lib/paths.py", "lib/strict_yaml.py", "lib/warm.py")
 STAGES = SERVED_MODEL.parents[1]
 
 
