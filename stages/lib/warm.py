@@ -43,11 +43,16 @@ from pathlib import Path
 # The pipeline's stages; `python -m stages.predict` and the team's tools always run cold.
 STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "export")}
 # What the stages import that costs seconds: torch, MLflow with its sqlite store and pyfunc
-# flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter, the
-# stratified split's scikit-learn, and evaluate's matplotlib.
+# flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter with its
+# op library, the stratified split's scikit-learn, and evaluate's matplotlib.
 PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
-           "onnxscript", "mlflow", "mlflow.pyfunc", "mlflow.store.tracking.sqlalchemy_store",
-           "sklearn.model_selection", "matplotlib", "safetensors.torch")
+           "onnxscript", "onnxscript.function_libs.torch_lib.ops", "mlflow", "mlflow.pyfunc",
+           "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection", "matplotlib",
+           "safetensors.torch")
+# And one cache: MLflow's map of installed packages, which export's `log_model` reads (every
+# package's file list: 0.5-2 s) to check the served model's requirements. It depends only on
+# the installed packages, which are part of the key. Private to MLflow: skipped if it moved.
+PREWARM = (("mlflow.utils.requirements_utils", "_init_packages_to_modules_map"),)
 IDLE_S = 300.0
 # Variables read when used, never as a library loads: a caller may differ in them and still be
 # served (a child runs with the caller's environment). Everything else in the environment is
@@ -198,6 +203,9 @@ def serve(path: Path) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    for module, function in PREWARM:
+        with contextlib.suppress(Exception):
+            getattr(sys.modules[module], function)()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # CUDA cannot cross a fork
         print("warm: an import initialized CUDA; not serving", flush=True)
