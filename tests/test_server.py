@@ -137,6 +137,30 @@ def test_without_a_login_or_with_a_wrong_one_the_refusal_is_one_line(server, tmp
         assert "Traceback" not in p.stderr and "wrong-password-123" not in p.stderr
 
 
+def test_a_login_the_server_checked_is_trusted_but_never_a_wrong_or_an_old_password(server):
+    """The server caches the logins it checked (auth_cache_ttl_seconds: a request no longer pays
+    the password hash; `make bench-server`): a wrong password right after the right one, and the
+    old password right after a change, are still refused. (With several workers, the others
+    honour a change within AUTH_CACHE_S.)"""
+    import mlflow.server
+
+    from stages.team.server import AUTH_CACHE_S
+
+    assert 0 < AUTH_CACHE_S <= 60
+    env = {"MLFLOW_TRACKING_USERNAME": server.user, "MLFLOW_TRACKING_PASSWORD": server.password}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        auth = mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri)
+        auth.create_user("cached", "cached-password-1")
+        assert login_status(server.uri, "cached", "cached-password-1") == 200
+        assert login_status(server.uri, "cached", "cached-password-1") == 200  # from the cache
+        assert login_status(server.uri, "cached", "wrong-password-12") == 401
+        auth.update_user_password("cached", "cached-password-2")
+    assert login_status(server.uri, "cached", "cached-password-1") == 401
+    assert login_status(server.uri, "cached", "cached-password-2") == 200
+
+
 def test_the_server_listens_on_loopback_and_refuses_foreign_host_headers(server):
     import base64
     import urllib.error

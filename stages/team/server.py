@@ -38,6 +38,7 @@ from stages.tracking import reason
 DEFAULT_PERMISSION = "READ"
 DATABASES = ("postgresql", "mysql", "mssql", "sqlite")
 MIN_PASSWORD = 12  # MLflow's own rule for basic-auth passwords
+AUTH_CACHE_S = 30  # how long a worker trusts a login it checked (auth_config says why)
 MIN_SECRET = 32  # the Flask session/CSRF key: 32 characters, as `secrets.token_hex(16)` gives
 LEGACY_PASSWORD = "password1234"  # older MLflow's shipped admin password, refused by MLflow 3
 
@@ -186,12 +187,18 @@ def auth_config(folder: Path, db: str, admin: str) -> Path:
     """basic-auth's ini: its tables in the same database (own alembic_version_auth table), one
     database to back up. In the command's private folder, deleted on exit. Neither the
     database's password (never in DB) nor the admin's (the server gets it as
-    MLFLOW_AUTH_ADMIN_PASSWORD) is in it."""
+    MLFLOW_AUTH_ADMIN_PASSWORD) is in it.
+
+    `auth_cache_ttl_seconds`: MLflow's cache of logins it has checked. Without it every request
+    checks the password's hash again, by design slow (0.1-0.2 s on 2 cores), and a stage's dozen
+    requests paid seconds for it. A password change or a deleted user takes effect at once in the
+    worker that made it, and within AUTH_CACHE_S in the others; a wrong password is never cached."""
     ini = folder / "basic-auth.ini"
     with os.fdopen(os.open(ini, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(f"[mlflow]\ndefault_permission = {DEFAULT_PERMISSION}\n"
                 f"database_uri = {db.replace('%', '%%')}\nadmin_username = {admin}\n"
-                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+                "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                f"auth_cache_ttl_seconds = {AUTH_CACHE_S}\n")
     return ini
 
 
