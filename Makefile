@@ -143,8 +143,8 @@ bench: setup ## the loop ablation benchmark, side by side
 	$(PY) -m stages.bench.training
 
 BENCH_REVS ?= HEAD
-bench-pipeline: setup ## the four stages timed part by part (start-up, tracking, loop); BENCH_REVS=a,b side by side
-	$(PY) -m stages.bench.training --pipeline --revs $(BENCH_REVS)
+bench-pipeline: setup ## the stages part by part, cold and warm, embedded store and server; BENCH_REVS=a,b side by side
+	$(PY) -m stages.bench.training --pipeline --server --revs $(BENCH_REVS)
 
 bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
 	$(PY) -m stages.bench.serving

@@ -14,9 +14,11 @@ stage's own work, and exit (teardown after `main`). The overhead is everything b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,14 +47,16 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
     return seconds, p.stdout + p.stderr
 
 
-def run_stage(workspace: Path, stage: str, warm: bool = False) -> dict:
-    """One stage in a fresh process; its own timing record where the revision writes one."""
+def run_stage(workspace: Path, stage: str, warm: bool = False,
+              extra: dict[str, str] | None = None) -> dict:
+    """One stage in a fresh process; its own timing record where the revision writes one.
+    `extra`: more environment (a tracking server's URI and login)."""
     timings = workspace / ".timings.jsonl"
     timings.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MLFLOW_", "DVC_", "REPROTRAIN_WARM"))}
     env |= {"REPROTRAIN_TIMINGS": str(timings), "REPROTRAIN_T0": repr(time.time()),
-            **({} if warm else {"REPROTRAIN_WARM": "0"})}
+            **({} if warm else {"REPROTRAIN_WARM": "0"}), **(extra or {})}
     start = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=workspace, env=env,
                        capture_output=True, text=True)
@@ -65,32 +69,58 @@ def run_stage(workspace: Path, stage: str, warm: bool = False) -> dict:
         m |= {"startup_s": rec["startup_s"], "tracking_s": rec["tracking_s"],
               "loop_s": rec["loop_s"], "exit_s": wall - rec["startup_s"] - rec["main_s"],
               "work_s": rec["main_s"] - rec["tracking_s"] - rec["loop_s"]}
-        if rec.get("warm", False) != warm:  # a warm row must not hide a cold run, or the reverse
-            raise RuntimeError(f"{stage} in {workspace} ran {'cold' if warm else 'warm'}")
+        m["warm"] = rec.get("warm", False)  # a warm row must not hide a cold run: the table says
     elif stage == "train":  # an older revision: the loop's seconds end its last line
         found = re.search(r"([\d.]+)s\s*$", p.stdout)
         m["loop_s"] = float(found.group(1)) if found else None
     return m
 
 
-def variants(rev: str, ws: Path) -> dict[str, tuple[Path, bool]]:
-    """The rows a revision gets: cold and warm where it has the warm process."""
-    if not (ws / "stages/lib/warm.py").exists():
-        return {rev: (ws, False)}
-    return {f"{rev} cold": (ws, False), f"{rev} warm": (ws, True)}
+def variants(rev: str, ws: Path, server: dict[str, str] | None
+             ) -> dict[str, tuple[Path, bool, dict[str, str] | None]]:
+    """The rows a revision gets: cold and warm where it has the warm process; with `server`
+    (the environment that logs to one), each of those again, tracked to the server."""
+    kinds = {"": False} if not (ws / "stages/lib/warm.py").exists() else \
+        {" cold": False, " warm": True}
+    rows = {f"{rev}{k}": (ws, warm, None) for k, warm in kinds.items()}
+    if server:
+        rows |= {f"{rev}{k}, server": (ws, warm, server) for k, warm in kinds.items()}
+    return rows
 
 
-def pipeline(revs: list[str], rounds: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+def requests_logged(server_log: Path | None) -> int:
+    """The requests the bench's server has answered so far: uvicorn's access line each."""
+    if server_log is None:
+        return 0
+    return sum(' HTTP/1.1" ' in line for line in server_log.read_text().splitlines())
+
+
+def pipeline(revs: list[str], rounds: int, server: bool = False) -> dict:
+    """Every revision's rows, rounds interleaved; with `server`, also against `make server`
+    (logins on, sqlite, this checkout's code), with the requests each stage sent."""
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp, \
+            contextlib.ExitStack() as stack:
+        log, login = None, None
+        if server:
+            from stages.bench.sync import start_server
+
+            proc, uri, login = start_server(Path(tmp) / "server")
+            stack.callback(lambda: (proc.send_signal(signal.SIGTERM), proc.wait(60)))
+            login["MLFLOW_TRACKING_URI"] = uri
+            said = (Path(tmp) / "server/server.out").read_text()
+            log = Path(re.search(r"\(its log: (\S+)\)", said)[1])  # uvicorn's access lines
         spaces = {label: v for i, rev in enumerate(revs)
-                  for label, v in variants(rev, clone(rev, Path(tmp) / f"r{i}")).items()}
+                  for label, v in variants(rev, clone(rev, Path(tmp) / f"r{i}"), login).items()}
         samples: dict[str, dict[str, list[dict]]] = {
             label: {s: [] for s in STAGES if (ws / f"stages/{s}.py").exists()}
-            for label, (ws, _) in spaces.items()}
+            for label, (ws, _, _) in spaces.items()}
         for round_ in range(rounds + 1):
-            for label, (ws, warm) in spaces.items():
+            for label, (ws, warm, extra) in spaces.items():
                 for stage in samples[label]:
-                    m = run_stage(ws, stage, warm)
+                    sent = requests_logged(log)
+                    m = run_stage(ws, stage, warm, extra)
+                    if extra:
+                        m["requests"] = requests_logged(log) - sent
                     if round_:
                         samples[label][stage].append(m)
                     print(f"  round {round_}/{rounds} {label} {stage}: {m['wall_s']:.1f} s",
@@ -98,7 +128,9 @@ def pipeline(revs: list[str], rounds: int) -> dict:
     out = {}
     for rev, stages in samples.items():
         rows = {s: {k: statistics.median(x[k] for x in ms) if ms[0].get(k) is not None else None
-                    for k in ("wall_s", *PARTS)} for s, ms in stages.items()}
+                    for k in ("wall_s", *PARTS, "requests")} | {"warm": sum(x.get("warm", False)
+                                                                   for x in ms), "runs": len(ms)}
+                for s, ms in stages.items()}
         total = sum(r["wall_s"] for r in rows.values())
         loop = rows["train"]["loop_s"] or 0.0
         out[rev] = {"stages": rows, "total_s": total, "loop_s": loop,
@@ -108,13 +140,21 @@ def pipeline(revs: list[str], rounds: int) -> dict:
 
 def markdown(report: dict, cpu: str, rounds: int) -> str:
     lines = [f"Pipeline, stage by stage ({cpu}; median of {rounds} rounds after a warm-up):", "",
-             "| revision | stage | wall | start-up | tracking | loop | own work | exit |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| revision | stage | wall | start-up | tracking | loop | own work | exit | requests |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for rev, r in report.items():
         for stage, m in r["stages"].items():
             cells = [f"{m[k]:.1f} s" if m.get(k) is not None else "-" for k in ("wall_s", *PARTS)]
-            lines.append(f"| {rev} | {stage} | " + " | ".join(cells) + " |")
+            sent = "-" if m.get("requests") is None else f"{m['requests']:.0f}"
+            if rev.endswith((" warm", " warm, server")) and m["warm"] < m["runs"]:
+                cells[0] += f" ({m['runs'] - m['warm']} of {m['runs']} cold)"
+            lines.append(f"| {rev} | {stage} | " + " | ".join(cells) + f" | {sent} |")
         lines.append(f"| {rev} | **total** | **{r['total_s']:.1f} s** | | | {r['loop_s']:.1f} s "
                      f"| overhead {r['overhead_s']:.1f} s = {r['overhead_per_loop']:.2f}x the "
-                     "loop | |")
+                     "loop | | |")
+    for rev, r in report.items():  # the server's price: each server row against its own
+        if rev.endswith(", server") and rev.removesuffix(", server") in report:
+            local = report[rev.removesuffix(", server")]["total_s"]
+            lines.append(f"\n{rev}: {r['total_s'] / local:.2f}x the embedded store's "
+                         f"{local:.1f} s")
     return "\n".join(lines)

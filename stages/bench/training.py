@@ -258,12 +258,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="time the four stages instead, per part (start-up, tracking, loop, work)")
     ap.add_argument("--revs", default="HEAD",
                     help="with --pipeline: comma-separated git revisions, side by side")
+    ap.add_argument("--server", action="store_true",
+                    help="with --pipeline: each revision also tracked to `make server` (logins on)")
     args = ap.parse_args(argv)
     if args.pipeline:
         from stages.bench import pipeline as bench_pipeline
 
         rounds = args.rounds or (1 if args.quick else 2)
-        report = bench_pipeline.pipeline([r for r in args.revs.split(",") if r], rounds)
+        report = bench_pipeline.pipeline([r for r in args.revs.split(",") if r], rounds,
+                                         args.server)
         text = bench_pipeline.markdown(report, cpu_label(), rounds)
         print(text)
         write_text(args.out / "pipeline.md", text + "\n")
