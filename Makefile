@@ -85,8 +85,12 @@ sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow
 # the longest modules go first (tests/conftest.py).
 # --durations: the slowest tests, to see where the suite's minutes go.
 TEST_WORKERS ?= 2
+# The warm processes the suite's pipelines started (stages/lib/warm.py) end with it, not 5
+# idle minutes later ([m]: the pattern does not match this shell's own command line).
 test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
+	status=0; $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+		--durations=20 || status=$$?; pkill -f '$(abspath $(VENV))/var/reprotrain-war[m]/' || true; \
+		exit $$status
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
