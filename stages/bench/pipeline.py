@@ -14,11 +14,9 @@ stage's own work, and exit (teardown after `main`). The overhead is everything b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -95,20 +93,13 @@ def requests_logged(server_log: Path | None) -> int:
     return sum(' HTTP/1.1" ' in line for line in server_log.read_text().splitlines())
 
 
-def pipeline(revs: list[str], rounds: int, server: bool = False) -> dict:
-    """Every revision's rows, rounds interleaved; with `server`, also against `make server`
-    (logins on, sqlite, this checkout's code), with the requests each stage sent."""
-    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp, \
-            contextlib.ExitStack() as stack:
-        log, login = None, None
-        if server:
-            from stages.bench.sync import start_server
-
-            proc, uri, login = start_server(Path(tmp) / "server")
-            stack.callback(lambda: (proc.send_signal(signal.SIGTERM), proc.wait(60)))
-            login["MLFLOW_TRACKING_URI"] = uri
-            said = (Path(tmp) / "server/server.out").read_text()
-            log = Path(re.search(r"\(its log: (\S+)\)", said)[1])  # uvicorn's access lines
+def pipeline(revs: list[str], rounds: int,
+             server: tuple[dict[str, str], Path] | None = None) -> dict:
+    """Every revision's rows, rounds interleaved; with `server` (the environment that logs to a
+    running `make server`, and its access log: stages.bench.sync.running_server), also against
+    it, with the requests each stage sent."""
+    login, log = server or (None, None)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
         spaces = {label: v for i, rev in enumerate(revs)
                   for label, v in variants(rev, clone(rev, Path(tmp) / f"r{i}"), login).items()}
         samples: dict[str, dict[str, list[dict]]] = {

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--revs", default="HEAD", help="git revisions side by side, comma-separated")
     ap.add_argument("--rounds", type=positive_int, default=3)
     args = ap.parse_args(argv)
-    from stages.bench.training import cpu_label
+    from stages.bench import cpu_label
 
     results = bench([r for r in args.revs.split(",") if r], args.rounds)
     print(f"`make server` until ready, median of {args.rounds} rounds, seconds; {cpu_label()}")

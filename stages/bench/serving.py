@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.bench.training import cpu_label
+from stages.bench import cpu_label
 from stages.config import EXPORT_DIR, TRAIN_DIR
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.images import decode_image

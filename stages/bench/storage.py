@@ -215,7 +215,7 @@ def bench(source: Path, size_mb: int, file_kb: int, seed: int, repeats: int,
             samples.setdefault(key, []).append(seconds)
         print(f"  repeat {i + 1}/{repeats}: " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                                          times.items()), file=sys.stderr, flush=True)
-    from stages.bench.training import cpu_label  # torch: only once the bench has run
+    from stages.bench import cpu_label
 
     return {"samples": samples, **info, "repeats": repeats, "cpu": cpu_label()}
 

@@ -14,6 +14,7 @@ revisions, so that a noisy neighbour slows them alike; the median of the rounds 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from stages.bench.pipeline import clone, timed
@@ -103,6 +106,19 @@ def start_server(folder: Path, code: Path | None = None
     return proc, f"http://127.0.0.1:{port}", dict(LOGIN)
 
 
+@contextmanager
+def running_server(folder: Path) -> Iterator[tuple[dict[str, str], Path]]:
+    """`make server` in `folder` while the block runs: the environment a client logs to it
+    with, and the server's log, one uvicorn access line per request."""
+    proc, uri, login = start_server(folder)
+    try:
+        said = (folder / "server.out").read_text()
+        yield login | {"MLFLOW_TRACKING_URI": uri}, Path(re.search(r"\(its log: (\S+)\)", said)[1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 # Put first on a sync's PYTHONPATH: urllib3's debug line for each request MLflow sends, into
 # a file (only `logging` imported up front: the no-op sync's seconds stay its own).
 COUNTER = """import logging, os
@@ -172,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log:
         log_run(args.log[0], args.log[1], Path(args.log[2]))
         return
-    from stages.bench.training import cpu_label
+    from stages.bench import cpu_label
 
     revs = [r for r in args.revs.split(",") if r]
     report = bench(revs, args.rounds)

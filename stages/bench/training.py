@@ -14,15 +14,14 @@ import copy
 import ctypes
 import dataclasses
 import datetime
-import os
-import platform
-import re
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from stages.bench import cpu_label
 from stages.config import PREPARED, DataConfig, TrainConfig, load_params
 from stages.data import Split, load_meta, load_split
 from stages.lib.cli import ArgumentParser, positive_int
@@ -30,7 +29,6 @@ from stages.lib.files import atomic_write, write_json, write_text
 from stages.loop import Job, RunIO, train
 from stages.models import build_model
 from stages.runtime import (
-    cpu_has_bf16,
     proc_status_mb,
     reset_peak_mem,
     resolve_device,
@@ -177,17 +175,6 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
     }
 
 
-def cpu_label() -> str:
-    """The CPU a figure came from: results differ between CPUs with and without bf16."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()
-    except (OSError, AttributeError):
-        name = platform.processor() or platform.machine()
-    bf16 = "bf16 (AMX/AVX512-BF16)" if cpu_has_bf16() else "no bf16: fp32"
-    return f"{name}, {os.cpu_count()} cores, {bf16}"
-
-
 def markdown(report: dict) -> str:
     s = report["settings"]
     lines = [f"Measured {report['date']} on {report['device']} ({report['device_name']}), "
@@ -265,8 +252,15 @@ def main(argv: list[str] | None = None) -> None:
         from stages.bench import pipeline as bench_pipeline
 
         rounds = args.rounds or (1 if args.quick else 2)
-        report = bench_pipeline.pipeline([r for r in args.revs.split(",") if r], rounds,
-                                         args.server)
+        revs = [r for r in args.revs.split(",") if r]
+        if args.server:
+            from stages.bench.sync import running_server
+
+            with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp, \
+                    running_server(Path(tmp)) as server:
+                report = bench_pipeline.pipeline(revs, rounds, server)
+        else:
+            report = bench_pipeline.pipeline(revs, rounds)
         text = bench_pipeline.markdown(report, cpu_label(), rounds)
         print(text)
         write_text(args.out / "pipeline.md", text + "\n")
