@@ -86,10 +86,11 @@ sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow
 # --durations: the slowest tests, to see where the suite's minutes go.
 TEST_WORKERS ?= 2
 # The warm processes the suite's pipelines started (stages/lib/warm.py) end with it, not 5
-# idle minutes later ([m]: the pattern does not match this shell's own command line).
+# idle minutes later: each writes its pid beside its socket (a stage it runs has none).
 test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
 	status=0; $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		--durations=20 || status=$$?; pkill -f '$(abspath $(VENV))/var/reprotrain-war[m]/' || true; \
+		--durations=20 || status=$$?; \
+		cat $(VENV)/var/reprotrain-warm/*.pid 2>/dev/null | xargs -r kill 2>/dev/null || true; \
 		exit $$status
 
 UI_PORT ?= 5000

@@ -22,16 +22,24 @@ from tests.support.workspaces import interruptible, one_error_line, wait_for_che
 TINY = {"epochs": "3", "model.width": "8"}
 
 
+def serving(sock: Path) -> bool:
+    """Whether a warm process answers at `sock` (a socket file can outlive its process)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        return s.connect_ex(str(sock)) == 0
+
+
 def warmed(cwd: Path, env: dict) -> Path:
     """The warm process for this environment, serving: started by a second stage, as in a
     pipeline (the first only marks its environment as seen)."""
     sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
                      "print(socket_path())"], cwd, env).stdout.strip())
     for _ in range(2):
-        if not sock.exists():
+        if not serving(sock):
             run([sys.executable, "-m", "stages.params"], cwd, env)
     deadline = time.time() + 180
-    while not sock.exists():
+    while not serving(sock):
         assert time.time() < deadline, f"no warm process at {sock}"
         time.sleep(0.2)
     return sock
@@ -108,8 +116,15 @@ def test_ctrl_c_reaches_a_warm_stage_and_sigkill_takes_it_with_its_caller(tmp_pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted (Ctrl-C)" in one_error_line(err)
 
-    proc = train()  # resumes, then its caller is killed as `kill -9` or a CI timeout would
+    proc = train()  # the stage itself killed (the OOM killer): its caller ends the same way
     wait_for_checkpoint(proc, w, epoch=3)
+    (stage,) = [p for p in stage_processes(w) if p != proc.pid]
+    os.kill(stage, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and "Traceback" not in err, err
+
+    proc = train()  # resumes, then its caller is killed as `kill -9` or a CI timeout would
+    wait_for_checkpoint(proc, w, epoch=5)
     proc.kill()
     proc.wait()
     deadline = time.time() + 10
@@ -153,14 +168,21 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
                      "print(socket_path())"], repo, env).stdout.strip())
     run([sys.executable, "-m", "stages.params"], repo, env)
     time.sleep(2)
-    assert not sock.exists() and not [p for p in Path("/proc").glob("[0-9]*/cmdline")
+    assert not serving(sock) and not [p for p in Path("/proc").glob("[0-9]*/cmdline")
                                       if str(sock).encode() in p.read_bytes()]
     run([sys.executable, "-m", "stages.params"], repo, env)  # within IDLE_S: now it is worth one
     deadline = time.time() + 180
-    while not sock.exists():
+    while not serving(sock):
         assert time.time() < deadline, f"no warm process at {sock}"
         time.sleep(0.2)
     timings = tmp_path / "timings.jsonl"
     run([sys.executable, "-m", "stages.params"], repo, env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
     assert [r["warm"] for r in records(timings)] == [True]
-    subprocess.run(["pkill", "-f", str(sock)])  # its 1 GB is no use to any other test
+    run([sys.executable, "-u", "-m", "stages.params"], repo,  # an option it would not have
+        env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
+    assert [r["warm"] for r in records(timings)] == [True, False]
+    os.kill(int(sock.with_suffix(".pid").read_text()), signal.SIGTERM)  # its 1 GB serves no other
+    deadline = time.time() + 30
+    while sock.exists() or sock.with_suffix(".pid").exists():  # it takes its files with it
+        assert time.time() < deadline
+        time.sleep(0.1)

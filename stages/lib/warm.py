@@ -62,7 +62,7 @@ RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELER
                  "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
                  # set by a stage for the processes it starts; read by CUDA and Inductor when used
                  "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR")
-IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL")
+IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 HEADER = struct.Struct("!I")
@@ -71,42 +71,48 @@ HEADER = struct.Struct("!I")
 def hand_off(module: str) -> None:
     """Called as `python -m <module>` starts: run it in the warm process and exit with its
     status, or return (start one for the next stage, where none serves) to run it here."""
+    # Interpreter options (`python -u -m ...`, -O, -W, -X) would not reach the warm process.
     if module not in STAGES or os.environ.get("REPROTRAIN_WARM", "1") == "0" \
-            or "TORCHELASTIC_RUN_ID" in os.environ:
+            or "TORCHELASTIC_RUN_ID" in os.environ or sys.orig_argv[1:2] != ["-m"]:
         return
     try:
         path = socket_path()
         conn = connect(path)
-    except (OSError, AttributeError, ValueError):
-        return  # no private folder for the socket, or not Linux: run cold
-    if conn is None:
-        seen = path.with_suffix(".seen")
-        if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
-            start(path)
-        else:
-            seen.touch()
-        return
+        if conn is None:
+            seen = path.with_suffix(".seen")
+            if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
+                start(path)
+            else:
+                seen.touch()
+            return
+    except (OSError, AttributeError, ValueError, subprocess.SubprocessError):
+        return  # no private folder, a read-only venv, not Linux: run cold
+    ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+    forwarded = sorted(set(SIGNALS) - set(ignored))
+    # Held from the request on: a Ctrl-C before the stage started waits for the forwarders.
+    signal.pthread_sigmask(signal.SIG_BLOCK, forwarded)
     with conn:
-        ignored = [s for s in SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
-        request = {"module": module, "argv": sys.argv[1:], "cwd": os.getcwd(),
-                   "env": dict(os.environ), "path": sys.path, "umask": os.umask(0o22),
-                   "ignored": ignored}
-        os.umask(request["umask"])
         try:
+            request = {"module": module, "argv": sys.argv[1:], "cwd": os.getcwd(),
+                       "env": dict(os.environ), "path": sys.path, "umask": os.umask(0o22),
+                       "ignored": ignored}
+            os.umask(request["umask"])
             payload = json.dumps(request).encode()
             socket.send_fds(conn, [HEADER.pack(len(payload))], [0, 1, 2])
             conn.sendall(payload)
             if conn.recv(1) != b"+":  # the warm process could not take it: nothing ran
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
                 return
-        except OSError:
+        except (OSError, ValueError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
             return
+
         def forward(sig: int, _frame: object) -> None:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(bytes([sig]))
-            except OSError:
-                pass
-        for sig in set(SIGNALS) - set(ignored):
+        for sig in forwarded:
             signal.signal(sig, forward)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
         status = b""
         while len(status) < 4:
             chunk = conn.recv(4 - len(status))
@@ -117,8 +123,11 @@ def hand_off(module: str) -> None:
             status += chunk
     code = os.waitstatus_to_exitcode(struct.unpack("!i", status)[0])
     if code < 0:  # killed by a signal: end the same way, as DVC and the shell expect
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
+        code = 128 - code
     os._exit(code)
 
 
@@ -132,7 +141,8 @@ def socket_path() -> Path:
     """The socket for this caller's key, in a folder of this user's only, inside the venv (one
     place for every checkout and HOME that uses it; never a guessable name in /tmp)."""
     folder = Path(sys.prefix) / "var" / "reprotrain-warm"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.parent.mkdir(mode=0o700, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
     st = folder.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{folder} is not this user's alone")
@@ -180,7 +190,8 @@ def connect(path: Path) -> socket.socket | None:
 def start(path: Path) -> None:
     """A warm process for this key, in the background, in a session of its own and without the
     caller's streams (a pipe it held open would keep the caller's reader waiting)."""
-    log = open(path.with_suffix(".log"), "ab")
+    log = os.fdopen(os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                            | os.O_NOFOLLOW, 0o600), "ab")
     with log:
         subprocess.Popen([sys.executable, "-P", __file__, "serve", str(path)],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
@@ -192,12 +203,15 @@ def serve(path: Path) -> None:
     import fcntl
     import importlib
 
-    lock = open(path.with_suffix(".lock"), "w")
+    lock = os.open(path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return  # another caller started one first
     started = time.monotonic()
+    # CUDA cannot cross a fork: an import that asks whether there is a GPU asks NVML instead.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    before = dict(os.environ)
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -206,40 +220,50 @@ def serve(path: Path) -> None:
     for module, function in PREWARM:
         with contextlib.suppress(Exception):
             getattr(sys.modules[module], function)()
+    # What the imports set (scikit-learn's KMP_* switches): a cold stage passes them on too.
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # CUDA cannot cross a fork
+    if torch is not None and torch.cuda.is_initialized():
         print("warm: an import initialized CUDA; not serving", flush=True)
         return
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path.with_suffix(f".{os.getpid()}")
     tmp.unlink(missing_ok=True)
     server.bind(str(tmp))
+    mine = os.stat(tmp).st_ino
     server.listen(64)
     os.replace(tmp, path)  # callers find it only once everything is imported
+    pid_file = path.with_suffix(".pid")  # what `make test` stops: never a stage forked from it
+    pid_file.write_text(f"{os.getpid()}\n")
     print(f"warm: serving {path.name} {time.monotonic() - started:.1f} s after start",
           flush=True)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill`: the files go too
     try:
         while select.select([server], [], [], IDLE_S)[0]:
             conn, _ = server.accept()
             if os.fork() == 0:
                 server.close()
-                lock.close()
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(lock)
+                for sig in (signal.SIGCHLD, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_DFL)
                 try:
-                    run_for(conn)
+                    run_for(conn, set_by_imports)
                 except BaseException:
                     sys.excepthook(*sys.exc_info())  # into the log
                 finally:
                     os._exit(1)
             conn.close()
     finally:
-        if path.exists() and path.stat().st_ino == os.fstat(server.fileno()).st_ino:
-            path.unlink()
-        path.with_suffix(".seen").unlink(missing_ok=True)
+        server.close()  # no caller connects to a process on its way out
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == mine:
+                path.unlink()
+        for suffix in (".seen", ".pid", ".lock"):  # the log stays: a line per start
+            path.with_suffix(suffix).unlink(missing_ok=True)
 
 
-def run_for(conn: socket.socket) -> None:
+def run_for(conn: socket.socket, set_by_imports: dict[str, str]) -> None:
     """In a fork per caller: the stage in a child of its own, its signals forwarded, its status
     sent back; the stage is killed with its process group if the caller goes."""
     uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
@@ -259,32 +283,45 @@ def run_for(conn: socket.socket) -> None:
     if not os.path.isdir(request["cwd"]):
         conn.send(b"-")
         return
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         conn.close()
-        stage(request, fds)
-    with contextlib.suppress(OSError):  # its own group from the start, whichever runs first
-        os.setpgid(pid, pid)
-    for fd in fds:
-        os.close(fd)
-    conn.send(b"+")
-    child = os.pidfd_open(pid)
-    while True:
-        ready = select.select([conn, child], [], [])[0]
-        if child in ready:
-            conn.send(struct.pack("!i", os.waitpid(pid, 0)[1]))
-            return
-        signals = conn.recv(64)
-        if not signals:  # the caller is gone: so is its stage, as a killed process group
+        stage(request, fds, set_by_imports, parent)
+    try:
+        with contextlib.suppress(OSError):  # its own group from the start, whichever runs first
+            os.setpgid(pid, pid)
+        for fd in fds:
+            os.close(fd)
+        child = os.pidfd_open(pid)  # Linux 5.3: on an older kernel the caller runs cold
+        conn.send(b"+")
+        while True:
+            ready = select.select([conn, child], [], [])[0]
+            if child in ready:
+                conn.send(struct.pack("!i", os.waitpid(pid, 0)[1]))
+                return
+            signals = conn.recv(64)
+            if not signals:  # the caller is gone: so is its stage, as a killed process group
+                raise ConnectionError("the caller is gone")
+            for sig in signals:  # to the stage, as they reached its caller
+                os.kill(pid, sig)
+    except BaseException:
+        with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return
-        for sig in signals:  # to its group, as a terminal's Ctrl-C reaches the workers too
-            os.killpg(pid, sig)
+        with contextlib.suppress(OSError):
+            conn.send(b"-")  # before "+": nothing ran, the caller runs cold
+        raise
 
 
-def stage(request: dict, fds: list[int]) -> None:
+def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], parent: int) -> None:
     """The stage, as `python -m module` would run it in the caller's place; never returns."""
+    import ctypes
+
+    # Gone with the process that watches it for its caller, however that one ends.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
     import atexit
     import random
     import runpy
@@ -302,6 +339,8 @@ def stage(request: dict, fds: list[int]) -> None:
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for k, v in set_by_imports.items():
+        os.environ.setdefault(k, v)
     sys.path[:] = request["path"]
     tempfile.tempdir = None  # found again from the caller's TMPDIR
     sys.argv[:] = ["-m", *request["argv"]]
