@@ -44,10 +44,11 @@ from pathlib import Path
 STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "export")}
 # What the stages import that costs seconds: torch, MLflow with its sqlite store and pyfunc
 # flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter with its
-# op library, the stratified split's scikit-learn, and evaluate's matplotlib.
+# op library, the stratified split's scikit-learn. Not matplotlib (0.3 s): its import reads
+# ./matplotlibrc and the user's, which must be the caller's folder and HOME, not this one's.
 PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
            "onnxscript", "onnxscript.function_libs.torch_lib.ops", "mlflow", "mlflow.pyfunc",
-           "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection", "matplotlib",
+           "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection",
            "safetensors.torch")
 # And one cache: MLflow's map of installed packages, which export's `log_model` reads (every
 # package's file list: 0.5-2 s) to check the served model's requirements. It depends only on
@@ -189,7 +190,12 @@ def connect(path: Path) -> socket.socket | None:
 
 def start(path: Path) -> None:
     """A warm process for this key, in the background, in a session of its own and without the
-    caller's streams (a pipe it held open would keep the caller's reader waiting)."""
+    caller's streams (a pipe it held open would keep the caller's reader waiting). Files of
+    keys unused for a day go first: every environment once seen leaves its log and mark."""
+    for old in path.parent.glob("*.*"):
+        with contextlib.suppress(OSError):
+            if old.suffix in (".log", ".seen") and time.time() - old.stat().st_mtime > 86400:
+                old.unlink()
     log = os.fdopen(os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
                             | os.O_NOFOLLOW, 0o600), "ab")
     with log:
