@@ -30,11 +30,16 @@ def serving(sock: Path) -> bool:
         return s.connect_ex(str(sock)) == 0
 
 
+def socket_of(cwd: Path, env: dict) -> Path:
+    """The warm process's socket for a stage run in `cwd` with `env`."""
+    return Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
+                     "print(socket_path())"], cwd, env).stdout.strip())
+
+
 def warmed(cwd: Path, env: dict) -> Path:
     """The warm process for this environment, serving: started by a second stage, as in a
     pipeline (the first only marks its environment as seen)."""
-    sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
-                     "print(socket_path())"], cwd, env).stdout.strip())
+    sock = socket_of(cwd, env)
     for _ in range(2):
         if not serving(sock):
             run([sys.executable, "-m", "stages.params"], cwd, env)
@@ -164,8 +169,7 @@ def test_no_socket_in_a_folder_others_can_enter(monkeypatch):
 def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     env = env_with(WARM_TEST_RUN=uuid.uuid4().hex)  # an environment no warm process has served
-    sock = Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
-                     "print(socket_path())"], repo, env).stdout.strip())
+    sock = socket_of(repo, env)
     run([sys.executable, "-m", "stages.params"], repo, env)
     time.sleep(2)
     assert not serving(sock) and not [p for p in Path("/proc").glob("[0-9]*/cmdline")

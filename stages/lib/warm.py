@@ -114,14 +114,11 @@ def hand_off(module: str) -> None:
         for sig in forwarded:
             signal.signal(sig, forward)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
-        status = b""
-        while len(status) < 4:
-            chunk = conn.recv(4 - len(status))
-            if not chunk:  # the warm process died under the stage
-                sys.stderr.write("error: the stage's warm process ended without its status; "
-                                 "rerun, or set REPROTRAIN_WARM=0 to run stages cold\n")
-                os._exit(1)
-            status += chunk
+        status = recv_exactly(conn, 4)
+        if len(status) < 4:  # the warm process died under the stage
+            sys.stderr.write("error: the stage's warm process ended without its status; "
+                             "rerun, or set REPROTRAIN_WARM=0 to run stages cold\n")
+            os._exit(1)
     code = os.waitstatus_to_exitcode(struct.unpack("!i", status)[0])
     if code < 0:  # killed by a signal: end the same way, as DVC and the shell expect
         with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
@@ -181,11 +178,27 @@ def connect(path: Path) -> socket.socket | None:
     except OSError:
         conn.close()
         return None
-    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    if uid != os.getuid():
+    if not same_user(conn):
         conn.close()
         return None
     return conn
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of `conn` runs as this user (SO_PEERCRED)."""
+    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1] \
+        == os.getuid()
+
+
+def recv_exactly(conn: socket.socket, size: int) -> bytes:
+    """`size` bytes from `conn`, or fewer if it closes first."""
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def start(path: Path) -> None:
@@ -272,19 +285,15 @@ def serve(path: Path) -> None:
 def run_for(conn: socket.socket, set_by_imports: dict[str, str]) -> None:
     """In a fork per caller: the stage in a child of its own, its signals forwarded, its status
     sent back; the stage is killed with its process group if the caller goes."""
-    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    if uid != os.getuid():
+    if not same_user(conn):
         return
     header, fds, _, _ = socket.recv_fds(conn, HEADER.size, 3)
     if len(header) != HEADER.size or len(fds) != 3:
         return
     (size,) = HEADER.unpack(header)
-    payload = b""
-    while len(payload) < size:
-        chunk = conn.recv(size - len(payload))
-        if not chunk:
-            return
-        payload += chunk
+    payload = recv_exactly(conn, size)
+    if len(payload) < size:
+        return
     request = json.loads(payload)
     if not os.path.isdir(request["cwd"]):
         conn.send(b"-")
