@@ -306,7 +306,7 @@ def unlike_training(offset: float, spec: dict) -> str | None:
 def model_input(images: list[np.ndarray], spec: dict) -> np.ndarray:
     """The float32 NCHW batch the model takes, from decode_image's uint8 images: pixels scaled
     to [0, 1], then (x - mean) / std per channel, as training normalized them. The served model
-    (stages/serving/served_model.py) calls this too: one path from image to input."""
+    (stages/serving/classifier.py) calls this too: one path from image to input."""
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
     return (np.stack(images).astype(np.float32) / 255 - mean) / std

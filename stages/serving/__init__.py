@@ -1,5 +1,5 @@
-"""The champion model over HTTP (`make serve`, app.py), how the served model is logged and taken
-from the registry (registry.py), and the model MLflow serves (served_model.py)."""
+"""The champion model over HTTP (`make serve`, app.py): what it answers (classifier.py), how it is
+logged and taken from the registry (registry.py), and the model MLflow serves (served_model.py)."""
 
 
 def __getattr__(name: str):  # an old `from stages.serving import x`: say where x lives now

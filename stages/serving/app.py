@@ -5,18 +5,19 @@
     python -m stages.serving.app --dockerfile DIR    # `mlflow models generate-dockerfile` of it
 
 The champion (alias `champion` of registered model `export.register_as`, in the store of
-`make ui`: mlflow.db or MLFLOW_TRACKING_URI) is served by MLflow's scoring server, the app
-`mlflow models serve --env-manager local` runs, which answers `/ping` and `/invocations` with
-{"inputs": [<base64 image>, ...]}; here under uvicorn behind the bounds it lacks (`Bounded`).
-Only its model.onnx and model.json come from the registry, never code (stages/serving/registry.py).
+`make ui`: mlflow.db or MLFLOW_TRACKING_URI) is served under uvicorn as MLflow's scoring server
+serves the logged model (`mlflow models serve`, the container): `/ping`, and `/invocations` of
+{"inputs": [<base64 image>, ...]}. Not by that server: its import alone takes four times as long
+as `python -m stages.predict` does in all (docs/serving.md, "How fast"). Only the champion's
+model.onnx and model.json come from the registry, never code (stages/serving/registry.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -28,23 +29,18 @@ from pathlib import Path
 
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
-from stages.serving.registry import champion_files, registered_name, save_served
+from stages.serving.classifier import FIX, BadInput, Classifier
+from stages.serving.registry import registered_name, save_served, served_files
 from stages.tracking.stores import plain_uri
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
 # server reads any body whole: 200 MB cost 7 s before its 400). 1024 digits take 0.5 MB;
-# photos are resized before they are sent (MAX_PIXELS in stages/serving/served_model.py).
+# photos are resized before they are sent (MAX_PIXELS in stages/serving/classifier.py).
 MAX_BODY_BYTES = 8 * 2**20
-# Python's JSON parser recurses once per `[` or `{` and fails near 1000 levels deep with a
-# RecursionError, a 500 from MLflow's server; a request has 2. A body with fewer brackets than
-# this is never parsed twice to find out.
-FEW_BRACKETS = 100
+SHAPE = '{"inputs": [<base64 image file>, ...]}'
 # What logs in to the tracking server (MLflow reads each from the environment).
 LOGIN = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-# The longest message an error reply of MLflow's server keeps: it repeats the request in its own
-# messages ("Failed to predict data '<every image>'"), 7 MB for a 7 MB request.
-MAX_ERROR_CHARS = 1000
 
 
 def curl_line(base: str) -> str:
@@ -55,7 +51,7 @@ def curl_line(base: str) -> str:
 
 
 def server_env() -> dict[str, str]:
-    """`mlflow models serve` starts `uvicorn` from the PATH: this environment's. Without the
+    """This environment (`mlflow models serve` starts `uvicorn` from the PATH), without the
     tracking server's login: the model server never reads the registry, and it decodes what
     anyone who reaches its port sends, so a hole in a decoder would not hand over the password."""
     env = {k: v for k, v in os.environ.items() if k not in LOGIN}
@@ -65,28 +61,13 @@ def server_env() -> dict[str, str]:
 
 
 def serve_command(folder: Path, port: int) -> list[str]:
-    """The server process: `run_server` over `folder`, in this environment (the one
-    requirements.lock installed, as `mlflow models serve --env-manager local` would use)."""
+    """The server process: `run_server` over `folder`'s model.onnx and model.json."""
     return [sys.executable, "-m", "stages.serving.app", "--serve-folder", str(folder), "--port",
             str(port)]
 
 
-def too_deep(body: bytes) -> bool:
-    """Whether parsing `body` as JSON ends in a RecursionError."""
-    if body.count(b"[") + body.count(b"{") < FEW_BRACKETS:
-        return False
-    try:
-        json.loads(body)
-    except RecursionError:
-        return True
-    except ValueError:  # not JSON at all: MLflow's own 400 says so
-        pass
-    return False
-
-
 def not_utf8_at(body: bytes) -> int | None:
-    """The first byte that is not UTF-8, or None: MLflow's server answered such a body (a gzip
-    file, Latin-1) with Python's repr of all of it, twice (8 MB in, 80 MB out)."""
+    """The first byte that is not UTF-8, or None."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -94,63 +75,64 @@ def not_utf8_at(body: bytes) -> int | None:
     return None
 
 
-def cut_errors(send):
-    """`send` with each error reply's message cut to MAX_ERROR_CHARS, its length set again."""
-    start, parts = None, []
-
-    async def cutting(message) -> None:
-        nonlocal start
-        if message["type"] == "http.response.start" and message["status"] >= 400:
-            start = message
-            return
-        if start is None or message["type"] != "http.response.body":
-            await send(message)
-            return
-        parts.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        body = b"".join(parts)
-        with contextlib.suppress(ValueError, TypeError, KeyError):  # not MLflow's JSON: as is
-            reply = json.loads(body)
-            text = reply["message"]
-            if isinstance(text, str) and len(text) > MAX_ERROR_CHARS:
-                reply["message"] = (f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS:,} "
-                                    "characters cut: MLflow's server repeats the request)")
-                body = json.dumps(reply).encode()
-        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    return cutting
+def parsed(body: bytes) -> object:
+    """The request's JSON. Python's parser recurses once per `[` or `{` and fails near 1000
+    levels deep with a RecursionError; a request has 2."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise BadInput(f"the request's JSON is nested too deeply to parse; send {SHAPE}") from None
+    except ValueError as e:
+        raise BadInput(f"the request is not valid JSON ({e}); send {SHAPE}") from None
 
 
-async def refuse(send, status: int, code: str, message: str) -> None:
-    """An error answered as MLflow answers its own: {"error_code": ..., "message": ...}."""
-    body = json.dumps({"error_code": code, "message": message}).encode()
+async def reply(send, status: int, body: dict | None = None, close: bool = False) -> None:
+    data = b"\n" if body is None else json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+                "headers": [*headers, (b"connection", b"close")] if close else headers})
+    await send({"type": "http.response.body", "body": data})
 
 
-class Bounded:
-    """An ASGI app (MLflow's scoring server) behind a bound on the request's bytes, checked as
-    they arrive, and a 400 for JSON nested too deep to parse."""
+async def refuse(send, status: int, code: str, message: str, close: bool = False) -> None:
+    """An error answered as MLflow's scoring server answers its own:
+    {"error_code": ..., "message": ...}."""
+    await reply(send, status, {"error_code": code, "message": message}, close)
 
-    def __init__(self, app, max_body: int = MAX_BODY_BYTES):
-        self.app, self.max_body = app, max_body
+
+class Served:
+    """The classifier over HTTP as MLflow's scoring server answers (`mlflow models serve`, what
+    the container runs): GET /ping and /health, POST /invocations of {"inputs": [...]} to
+    {"predictions": [...]}, errors as {"error_code", "message"}. Without MLflow's import, and
+    with the bounds its server lacks: the request's bytes, counted as they arrive, and an error
+    that never repeats the request."""
+
+    def __init__(self, classify: Classifier, max_body: int = MAX_BODY_BYTES):
+        self.classify, self.max_body = classify, max_body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            return
+        route = (scope["method"], scope["path"])
+        if route in (("GET", "/ping"), ("GET", "/health")):
+            await reply(send, 200)
+            return
+        if route != ("POST", "/invocations"):
+            await refuse(send, 404, "ENDPOINT_NOT_FOUND", f"no {scope['method']} {scope['path']} "
+                         "here: POST /invocations, GET /ping")
+            return
+        headers = dict(scope["headers"])
+        if not headers.get(b"content-type", b"").startswith(b"application/json"):
+            await refuse(send, 415, "BAD_REQUEST", "send the request with Content-Type: "
+                         "application/json")
             return
         too_big = (f"a request body over {self.max_body:,} bytes, the most `make serve` reads "
                    "(MAX_BODY_BYTES in stages/serving/app.py); send the images in smaller batches, "
                    "or resize them first")
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body:  # refused before any is read
-            await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
+            await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big, close=True)
             return
         body, more = bytearray(), True
         while more:  # a chunked body has no length: counted as it comes
@@ -160,39 +142,42 @@ class Bounded:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big)
+                await refuse(send, 413, "REQUEST_LIMIT_EXCEEDED", too_big, close=True)
                 return
-        data = bytes(body)
-        if (at := await asyncio.to_thread(not_utf8_at, data)) is not None:
-            await refuse(send, 400, "BAD_REQUEST", f"the request is not UTF-8 text (byte {at} "
-                         "is not); send JSON, {\"inputs\": [<base64 image file>, ...]}, "
-                         "uncompressed")
+        try:  # in a thread: other requests go on meanwhile
+            records = await asyncio.to_thread(self.answer, bytes(body))
+        except BadInput as e:
+            await refuse(send, 400, "INVALID_PARAMETER_VALUE", str(e))
             return
-        if await asyncio.to_thread(too_deep, data):  # other requests go on meanwhile
-            await refuse(send, 400, "INVALID_PARAMETER_VALUE",
-                         "the request's JSON is nested too deeply to parse; send "
-                         "{\"inputs\": [<base64 image file>, ...]}")
+        except Exception:  # noqa: BLE001 - the model failed: the log has why, never the client
+            logging.getLogger(__name__).exception("the model failed on a request")
+            await refuse(send, 500, "INTERNAL_ERROR", "the model failed on this request; the "
+                         "server's log says why")
             return
-        replayed = False
+        await reply(send, 200, {"predictions": records})
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # the disconnect, when it comes
-            replayed = True
-            return {"type": "http.request", "body": data, "more_body": False}
-
-        await self.app(scope, replay, cut_errors(send))
+    def answer(self, body: bytes) -> list[dict]:
+        if (at := not_utf8_at(body)) is not None:
+            raise BadInput(f"the request is not UTF-8 text (byte {at} is not); send JSON, "
+                           f"{SHAPE}, uncompressed")
+        request = parsed(body)
+        if not isinstance(request, dict):
+            raise BadInput(f"the request is a JSON {type(request).__name__}, not an object with "
+                           f"the one key 'inputs'; {FIX}")
+        if set(request) != {"inputs"}:
+            raise BadInput(f"the request has the keys {sorted(request)}, not the one key "
+                           f"'inputs'; {FIX}")
+        return self.classify(request["inputs"])
 
 
 def run_server(folder: Path, port: int) -> None:
-    """The server process serve_command starts: MLflow's scoring server over the saved model
-    `folder` (what `mlflow models serve` runs), bounded, on loopback."""
+    """The server process serve_command starts: the classifier over `folder`'s model.onnx and
+    model.json, on loopback. It binds its port only once the model is loaded and checked, so
+    that /ping answers only a server that can classify."""
     import uvicorn
-    from mlflow.pyfunc import load_model, scoring_server
 
-    uvicorn.run(Bounded(scoring_server.init(load_model(str(folder)))), host="127.0.0.1",
-                port=port)
+    classify = Classifier(folder / "model.json", folder / "model.onnx")
+    uvicorn.run(Served(classify), host="127.0.0.1", port=port, lifespan="off")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,18 +214,17 @@ def port_free(port: int) -> bool:
 
 
 def serve(name: str, work: Path, args) -> None:
-    from stages.predict import onnx_runner, read_spec
     from stages.team.ui import private_folder, started
 
-    number, files = champion_files(name, work / "registry", args.alias)
+    number, files = served_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.
-    onnx_runner(files / "model.onnx", read_spec(files / "model.json"), 1)
+    Classifier(files / "model.json", files / "model.onnx")
     what = f"{name} version {number} ({args.alias})"
+    if args.save or args.dockerfile:
+        folder = save_served(files, args.save or work / "model")
     if args.save:
-        save_served(files, args.save)
         print(f"saved {what} to {args.save}")
         return
-    folder = save_served(files, work / "model")
     if args.dockerfile:
         subprocess.run([sys.executable, "-m", "mlflow", "models", "generate-dockerfile", "-m",
                         str(folder), "-d", str(args.dockerfile), "--env-manager", "local"],
@@ -253,11 +237,12 @@ def serve(name: str, work: Path, args) -> None:
     base = f"http://127.0.0.1:{args.port}"
     log = private_folder("serve") / "serve.log"  # kept after `work` goes: it says why it failed
     print(f"serving {what} on {base} (its log: {log})", flush=True)
-    with started("model server", serve_command(folder, args.port), server_env(), log,
+    with started("model server", serve_command(files, args.port), server_env(), log,
                  f"{base}/ping", args.timeout, f"its log: {log}") as server:
         print("ready (Ctrl-C stops it). Classify an image:")
         print(curl_line(base), flush=True)
         server.wait()
+
 
 if __name__ == "__main__":
     run_stage(main)

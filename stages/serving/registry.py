@@ -12,15 +12,22 @@ from stages/serving/served_model.py of this checkout, with the modules it import
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
 import io
+import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
+from urllib.parse import urlencode
 
 from stages.config import load_params
 from stages.lib.errors import UserError
@@ -38,8 +45,21 @@ REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # and loads a saved model away from the checkout.
 PACKAGE = ("__init__.py", "config.py", "models.py", "predict.py", "sources.py", "weights.py",
            "lib/__init__.py", "lib/cli.py", "lib/errors.py", "lib/files.py", "lib/images.py",
-           "lib/paths.py", "lib/strict_yaml.py", "lib/warm.py")
+           "lib/paths.py", "lib/strict_yaml.py", "lib/warm.py", "serving/__init__.py",
+           "serving/classifier.py")
 STAGES = SERVED_MODEL.parents[1]
+# The champions looked up before, by registry, name and alias: a restart of `make serve` takes
+# the files from here while the registry provably still points at them (`cached`), without
+# MLflow's import (1.3 s of a 2-core machine's) and its lookup.
+CACHE = Path(sys.prefix) / "var" / "reprotrain-serve"
+# A sqlite store written this recently is not cached: a write in the same tick of the file
+# system's clock (a few ms) would leave its mtime as it was.
+QUIET_S = 2.0
+# MLflow's client settings that change which server answers, or how: with any of them set, the
+# one REST call of `alias_version` is not the call MLflow's client would make.
+CLIENT_OPTIONS = ("MLFLOW_TRACKING_INSECURE_TLS", "MLFLOW_TRACKING_SERVER_CERT_PATH",
+                  "MLFLOW_TRACKING_CLIENT_CERT_PATH", "MLFLOW_TRACKING_AUTH",
+                  "MLFLOW_TRACKING_AWS_SIGV4", "MLFLOW_WORKSPACE")
 
 
 def png_base64(images) -> list[str]:
@@ -101,6 +121,121 @@ def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int,
                             "mlflow.pytorch model from before?); serve another version with "
                             "--alias candidate, or move the alias") from None
     return int(found.version), dest / "artifacts"
+
+
+def served_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:
+    """champion_files, from the cache when the registry provably still points where it did when
+    they were last downloaded; else looked up, downloaded and cached."""
+    from stages import tracking
+    from stages.tracking.stores import is_server
+
+    uri = tracking.tracking_uri(load_params().mlflow)
+    entry = cache_entry(uri, name, alias)
+    if (number := cached(entry, uri, name, alias, dest)) is not None:
+        return number, dest
+    mark = store_mark(uri)  # before the lookup: a write during it changes the mark
+    number, files = champion_files(name, dest / "registry", alias)
+    if mark is not None or is_server(uri):
+        keep(entry, {"uri": uri, "name": name, "alias": alias, "version": number, "mark": mark,
+                     "sha256": {f: sha256(files / f) for f in FILES}}, files)
+    return number, files
+
+
+def cache_entry(uri: str, name: str, alias: str) -> Path:
+    return CACHE / hashlib.sha256(f"{uri}\0{name}\0{alias}".encode()).hexdigest()[:24]
+
+
+def cached(entry: Path, uri: str, name: str, alias: str, dest: Path) -> int | None:
+    """The cached version, its files copied to `dest`, when the store is unchanged since (a
+    sqlite file's stat) or the server's alias still names it (one REST call); else None."""
+    try:
+        found = json.loads((entry / "lookup.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (found.get("uri"), found.get("name"), found.get("alias")) != (uri, name, alias):
+        return None
+    from stages.tracking.stores import is_server
+
+    if found["mark"] is not None and found["mark"] != store_mark(uri):
+        return None
+    if found["mark"] is None and not (is_server(uri) and
+                                      alias_version(uri, name, alias) == str(found["version"])):
+        return None
+    dest.mkdir(parents=True, exist_ok=True)
+    for file, digest in found["sha256"].items():  # a copy made while the entry was replaced
+        shutil.copyfile(entry / file, dest / file)
+        if sha256(dest / file) != digest:
+            return None
+    with contextlib.suppress(OSError):
+        os.utime(entry)  # served from: kept
+    return int(found["version"])
+
+
+def store_mark(uri: str) -> list | None:
+    """A sqlite store's files as stat sees them (any write changes it), or None: another store,
+    or one written within QUIET_S."""
+    if not uri.startswith("sqlite:///") or uri.startswith("sqlite:///file:"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    mark = []
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-journal")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            mark.append(None)
+            continue
+        if time.time() - st.st_mtime < QUIET_S:
+            return None
+        mark.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns])
+    return mark if mark[0] is not None else None
+
+
+def alias_version(uri: str, name: str, alias: str) -> str | None:
+    """The version `alias` points at on the server, by the one REST call MLflow's client makes
+    for it, without MLflow's import; None where this call may not be that one, or it failed
+    (the full lookup then says why)."""
+    if any(os.environ.get(k) for k in CLIENT_OPTIONS):
+        return None
+    user, password = (os.environ.get(f"MLFLOW_TRACKING_{k}") for k in ("USERNAME", "PASSWORD"))
+    headers = {}
+    if user and password:  # as MLflow's client: basic auth first, then a token
+        login = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {login}"
+    elif token := os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {token}"
+    query = urlencode({"name": name, "alias": alias})
+    url = f"{uri.rstrip('/')}/api/2.0/mlflow/registered-models/alias?{query}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=5) as r:
+            return str(json.load(r)["model_version"]["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def keep(entry: Path, lookup: dict, files: Path) -> None:
+    """The entry written whole beside the old one, then swapped in: a reader sees the old, the
+    new or none (a miss)."""
+    CACHE.mkdir(parents=True, mode=0o700, exist_ok=True)
+    for old in CACHE.iterdir():  # a registry not served from for a week (a test's server)
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - old.stat().st_mtime > 7 * 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    new = Path(tempfile.mkdtemp(dir=CACHE, prefix=".new-"))
+    for file in FILES:
+        shutil.copyfile(files / file, new / file)
+    (new / "lookup.json").write_text(json.dumps(lookup) + "\n")
+    old = Path(tempfile.mkdtemp(dir=CACHE, prefix=".old-"))
+    try:
+        entry.rename(old / "entry")
+    except FileNotFoundError:
+        pass
+    new.rename(entry)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:

@@ -110,7 +110,7 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
             if server.poll() is not None or time.monotonic() > deadline:
                 # The log's last lines may name the store, its password too.
                 raise UserError(masked(f"the {name} did not start ({last_lines(log)}); {hint}"))
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield server
     except KeyboardInterrupt:
         print(f"stopping the {name}", file=sys.stderr)
