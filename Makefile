@@ -155,7 +155,7 @@ BENCH_REVS ?= HEAD
 bench-pipeline: setup ## the stages part by part, cold and warm, embedded store and server; BENCH_REVS=a,b side by side
 	$(PY) -m stages.bench.training --pipeline --server --revs $(BENCH_REVS)
 
-bench-serve: setup ## the served champion vs the served mlflow.pytorch model vs in-process predict, side by side
+bench-serve: setup ## `make serve` first start and restart vs `mlflow models serve` vs in-process predict, side by side
 	$(PY) -m stages.bench.serving
 
 bench-server: setup ## `make server` until ready, first start and restart; BENCH_REVS=a,b side by side

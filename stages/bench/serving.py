@@ -1,17 +1,22 @@
-"""`make bench-serve`: three ways to classify images, side by side in one run, on loopback.
+"""`make bench-serve`: the ways to classify images, side by side in one run, on loopback.
 
-    python -m stages.bench.serving [--requests 300] [--batches 20] [--budget-s 60]
+    python -m stages.bench.serving [--requests 300] [--batches 20] [--budget-s 60] [--revs 1d5d579]
 
-- served pyfunc: `python -m stages.serving.app` (the champion: base64 images in, labels out);
+- `make serve`, first start: the champion looked up in the registry (MLflow imported, the
+  store read, the two files downloaded), then the model server; the lookup's cache emptied first;
+- `make serve`, restart: the same, the lookup's cache checked instead (stages/serving/registry.py);
+- `mlflow models serve` of the same model saved (`make serve --save`): MLflow's scoring server,
+  what the container runs and what `make serve` ran until it served the classifier itself;
 - served mlflow.pytorch: the model as export logged it before, `mlflow models serve` of it; the
   client decodes, resizes and normalizes each image and applies softmax to the logits, as its
   users had to;
-- in-process predict: the functions `python -m stages.predict` runs, in this process.
+- in-process predict: the functions `python -m stages.predict` runs, in this process;
+- with --revs: `make serve` of each revision given, on this checkout's registry.
 
 For each: cold start (command to first answer), latency of one image per request (p50, p99;
 client work included), and images/s in requests of --batch-size images. Each phase stops after
-its count or --budget-s, whichever comes first. Needs `make repro` first (a registered champion,
-models/train/model.pt, models/export/).
+its count or --budget-s, whichever comes first. Then `make serve`'s start in its parts. Needs
+`make repro` first (a registered champion, models/train/model.pt, models/export/).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +42,9 @@ from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.images import decode_image
 from stages.predict import model_input, onnx_runner, probabilities, read_spec
 from stages.serving.app import serve_command, server_env
+from stages.serving.registry import cache_entry, registered_name
 from stages.team.ui import answers, stop
+from stages.tracking.stores import tracking_uri
 
 SAMPLES = sorted(Path("data/samples").glob("*.png"))
 
@@ -74,12 +83,13 @@ def measure(classify: Callable[[list[bytes]], list], images: list[bytes], args) 
 
 
 def served(command: list[str], port: int, first: Callable[[], object], timeout_s: int,
-           log: Path) -> tuple[subprocess.Popen, float]:
-    """A server started by `command`, and the seconds from the command to its first answer."""
+           log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, float]:
+    """A server started by `command` (in `env`; by default without the tracking server's
+    login), and the seconds from the command to its first answer."""
     t = time.perf_counter()
     with open(log, "w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=server_env(),
-                                  start_new_session=True)
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                  env=env or server_env(), start_new_session=True)
     while not answers(f"http://127.0.0.1:{port}/ping"):
         if server.poll() is not None or time.perf_counter() - t > timeout_s:
             stop(server)
@@ -89,20 +99,69 @@ def served(command: list[str], port: int, first: Callable[[], object], timeout_s
     return server, time.perf_counter() - t
 
 
-def pyfunc_row(images: list[bytes], port: int, args, work: Path) -> dict:
+def pyfunc_client(port: int) -> tuple[http.client.HTTPConnection, Callable[[list[bytes]], list]]:
+    """A connection to a server of the served model, and the images it classifies."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
 
     def classify(batch: list[bytes]) -> list:
         body = json.dumps({"inputs": [base64.b64encode(b).decode() for b in batch]})
         return post(conn, body)["predictions"]
 
-    server, cold = served([sys.executable, "-m", "stages.serving.app", "--port", str(port)], port,
-                          lambda: classify(images[:1]), args.timeout, work / "pyfunc.log")
+    return conn, classify
+
+
+def pyfunc_row(command: list[str], images: list[bytes], port: int, args, log: Path,
+               env: dict[str, str] | None = None) -> dict:
+    conn, classify = pyfunc_client(port)
+    server, cold = served(command, port, lambda: classify(images[:1]), args.timeout, log, env)
     try:
         return {"cold_start_s": cold, **measure(classify, images, args)}
     finally:
         conn.close()
         stop(server)
+
+
+def make_serve(port: int, code: Path | None = None) -> list[str]:
+    """`make serve` of this checkout, or of the clone `code`, on this environment."""
+    return ["make", "-s", *(["-C", str(code)] if code else []), "serve", f"PORT={port}",
+            f"VENV={Path(sys.prefix)}"]
+
+
+def rev_row(rev: str, images: list[bytes], port: int, args, work: Path) -> dict:
+    """`make serve` of another revision (a clone), on this checkout's registry."""
+    from stages.bench.pipeline import clone
+    from stages.config import load_params
+
+    code = clone(rev, work / f"rev-{port}")
+    os.utime(code / "requirements.lock", (0, 0))  # older than the venv: make installs nothing
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri(load_params().mlflow))
+    return pyfunc_row(make_serve(port, code), images, port, args, work / f"rev-{port}.log", env)
+
+
+def first_start_row(images: list[bytes], port: int, args, work: Path) -> dict:
+    """`make serve` with its lookup's cache emptied: the registry looked up as on a first start."""
+    from stages.config import load_params
+
+    shutil.rmtree(cache_entry(tracking_uri(load_params().mlflow), registered_name(), "champion"),
+                  ignore_errors=True)
+    return pyfunc_row(make_serve(port), images, port, args, work / "first.log", dict(os.environ))
+
+
+def mlflow_serve_row(images: list[bytes], port: int, args, work: Path) -> dict:
+    """`mlflow models serve` of the model `make serve` serves, saved as `--save` saves it."""
+    subprocess.run([sys.executable, "-m", "stages.serving.app", "--save", str(work / "saved")],
+                   check=True, capture_output=True)
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(work / "saved"),
+               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    return pyfunc_row(command, images, port, args, work / "mlflow-serve.log")
+
+
+def server_alone_s(port: int, args, work: Path) -> float:
+    """The model server process alone, over models/export's files: command to first answer."""
+    server, cold = served(serve_command(EXPORT_DIR, port), port, lambda: None, args.timeout,
+                          work / "alone.log")
+    stop(server)
+    return cold
 
 
 def pytorch_row(images: list[bytes], port: int, args, work: Path) -> dict:
@@ -128,8 +187,10 @@ def pytorch_row(images: list[bytes], port: int, args, work: Path) -> dict:
         return list(probabilities(np.asarray(logits), len(batch), spec, "mlflow.pytorch",
                                   "model.json"))
 
-    server, cold = served(serve_command(folder, port), port, lambda: classify(images[:1]),
-                          args.timeout, work / "pytorch.log")
+    command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(folder),
+               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)]
+    server, cold = served(command, port, lambda: classify(images[:1]), args.timeout,
+                          work / "pytorch.log")
     try:
         return {"cold_start_s": cold, **measure(classify, images, args)}
     finally:
@@ -153,15 +214,20 @@ def predict_row(images: list[bytes], args) -> dict:
     return {"cold_start_s": cold, **measure(classify, images, args)}
 
 
-def markdown(rows: dict[str, dict], args) -> str:
-    base = rows["served pyfunc"]
+def markdown(rows: dict[str, dict], parts: dict[str, float], args) -> str:
+    base = rows["make serve, first start"]
+    predict = rows["in-process stages.predict"]["cold_start_s"]
     out = [f"CPU: {cpu_label()}; {args.requests} requests of 1 image, {args.batches} of "
            f"{args.batch_size} (each phase at most {args.budget_s} s); `make bench-serve`", "",
-           "| | cold start s | 1 image p50 ms | p99 ms | images/s, batches of "
-           f"{args.batch_size} | images/s vs served pyfunc |", "|---|---|---|---|---|---|"]
+           f"| | cold start s | vs predict's | 1 image p50 ms | p99 ms | images/s, batches of "
+           f"{args.batch_size} | images/s vs make serve |", "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        out.append(f"| {name} | {r['cold_start_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                   f"{r['images_per_s']:.0f} | {r['images_per_s'] / base['images_per_s']:.2f}x |")
+        out.append(f"| {name} | {r['cold_start_s']:.2f} | {r['cold_start_s'] / predict:.1f}x | "
+                   f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['images_per_s']:.0f} | "
+                   f"{r['images_per_s'] / base['images_per_s']:.2f}x |")
+    out += ["", "`make serve`'s start in its parts (from the rows above and the model server "
+            "alone):", "", "| part | s |", "|---|---|"]
+    out += [f"| {name} | {s:.2f} |" for name, s in parts.items()]
     return "\n".join(out)
 
 
@@ -174,16 +240,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=positive_int, default=180, help="seconds to start a server")
     ap.add_argument("--port", type=positive_int, default=5011)
     ap.add_argument("--out", type=Path, default=Path("bench/serve.json"))
+    ap.add_argument("--revs", default="", help="other revisions' `make serve` beside, comma-separated "
+                    "(a clone of each, on this checkout's registry)")
     args = ap.parse_args(argv)
     images = [p.read_bytes() for p in SAMPLES]
     with tempfile.TemporaryDirectory(prefix="reprotrain-bench-serve-") as tmp:
-        rows = {"served pyfunc": pyfunc_row(images, args.port, args, Path(tmp)),
+        work, port = Path(tmp), args.port
+        rows = {"make serve, first start": first_start_row(images, port, args, work),
+                "make serve, restart": pyfunc_row(make_serve(port + 1), images, port + 1, args,
+                                                  work / "restart.log", dict(os.environ)),
+                "mlflow models serve of the same model": mlflow_serve_row(images, port + 2, args,
+                                                                          work),
                 "served mlflow.pytorch + client preprocessing":
-                    pytorch_row(images, args.port + 1, args, Path(tmp)),
+                    pytorch_row(images, port + 3, args, work),
                 "in-process stages.predict": predict_row(images, args)}
+        for i, rev in enumerate(r for r in args.revs.split(",") if r):
+            rows[f"make serve at {rev}"] = rev_row(rev, images, port + 5 + i, args, work)
+        alone = server_alone_s(port + 4, args, work)
+    first, restart = (rows[f"make serve, {k}"]["cold_start_s"] for k in ("first start", "restart"))
+    parts = {"the registry's lookup with MLflow (first start less restart)": first - restart,
+             "`make serve` to its cached lookup (restart less the model server)": restart - alone,
+             "the model server process, to its first answer": alone}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu": cpu_label(), "rows": rows}, indent=2) + "\n")
-    print(markdown(rows, args))
+    args.out.write_text(json.dumps({"cpu": cpu_label(), "rows": rows, "parts": parts}, indent=2)
+                        + "\n")
+    print(markdown(rows, parts, args))
 
 
 if __name__ == "__main__":
