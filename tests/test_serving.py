@@ -178,7 +178,8 @@ def server(champion, ghostscript, tmp_path_factory):
     planted.unlink(missing_ok=True)
     planted.symlink_to(victim)
     try:
-        with serving(w, with_ghostscript(env, ghostscript), port) as s:
+        with serving(w, with_ghostscript(env, ghostscript) | {
+                "AWS_SECRET_ACCESS_KEY": "planted-cloud-key"}, port) as s:
             yield s | {"planted": planted, "victim": victim}
     finally:
         planted.unlink(missing_ok=True)
@@ -245,6 +246,7 @@ def test_make_serve_answers_ping_and_says_what_it_serves(server, registry):
               if b"--serve-folder\0" in cmd and f"--port\0{server['port']}\0".encode() in cmd]
     environ = Path(f"/proc/{pid}/environ").read_bytes()
     assert registry.password.encode() not in environ and b"MLFLOW_TRACKING_PASSWORD" not in environ
+    assert b"planted-cloud-key" not in environ  # nor any other secret of its environment
 
 
 def served_files_in(w: Path, env: dict, dest: Path) -> tuple[int, list[str], bool]:
@@ -318,12 +320,69 @@ def test_a_restart_on_the_embedded_store_serves_from_the_cache_until_it_is_writt
     quiet()
     assert served_files_in(w, local, tmp_path / "a") == (2, files, True)
     assert served_files_in(w, local, tmp_path / "a") == (2, files, False)
+    # A registry of its own (or a workspace): every start asks MLflow, which knows where it is.
+    for _ in range(2):
+        assert served_files_in(w, local | {"MLFLOW_REGISTRY_URI": uri}, tmp_path / "a") == \
+            (2, files, True)
+
+
+def test_the_alias_check_follows_no_redirect_with_the_login(monkeypatch):
+    """urllib would send the Authorization header on to wherever a redirect points; MLflow's
+    client (requests) drops it for another host. The check treats a redirect as a miss."""
+    import http.server
+    import threading
+
+    from stages.serving.registry import server_version
+
+    seen = []
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"model_version": {"version": "1"}}')
+
+        def log_message(self, *args):
+            pass
+
+    class Redirect(Elsewhere):
+        def do_GET(self):  # noqa: N802
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{other.server_port}{self.path}")
+            self.end_headers()
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Elsewhere)
+    first = http.server.HTTPServer(("127.0.0.1", 0), Redirect)
+    for s in (other, first):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "alice-secret-pw")
+        assert server_version(f"http://127.0.0.1:{first.server_port}", NAME, "champion") is None
+        assert seen == []
+        found = server_version(f"http://127.0.0.1:{other.server_port}", NAME, "champion")
+        assert found is not None and found["version"] == "1" and seen[0].startswith("Basic ")
+    finally:
+        for s in (other, first):
+            s.shutdown()
+
+
+def request(base: str, method: str, path: str, body: bytes = b"",
+            content_type: str = "application/json") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    conn.request(method, path, body, {"Content-Type": content_type})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, data
 
 
 def test_make_serve_answers_as_mlflow_models_serve_of_the_saved_model(server, in_workspace,
                                                                        tmp_path):
     """The container runs MLflow's scoring server on the saved model (`--dockerfile`): the same
-    answers for the same images, and the same 400 for a bad one."""
+    answers for the same images, the same 400 for a bad one, the same status for each way of
+    asking."""
     in_workspace(["--save", str(tmp_path / "model")])
     port = free_port()
     log = tmp_path / "mlflow-serve.log"
@@ -347,6 +406,21 @@ def test_make_serve_answers_as_mlflow_models_serve_of_the_saved_model(server, in
         ours, theirs = post(server["base"], bad), post(base, bad)
         assert ours[0] == theirs[0] == 400, (ours, theirs)
         assert ours[1] == {k: theirs[1][k] for k in ("error_code", "message")}, (ours, theirs)
+        one = json.dumps({"inputs": [b64(SAMPLE)], "params": {}}).encode()
+        asked = {"version": ("GET", "/version", b"", "application/json"),
+                 "ping": ("GET", "/health", b"", "application/json"),
+                 "extra keys": ("POST", "/invocations", one, "application/json"),
+                 "utf-8 named": ("POST", "/invocations", one, "application/json; charset=utf-8"),
+                 "latin-1": ("POST", "/invocations", one, "application/json; charset=latin-1"),
+                 "text": ("POST", "/invocations", one, "text/plain"),
+                 "a GET": ("GET", "/invocations", b"", "application/json"),
+                 "a HEAD": ("HEAD", "/ping", b"", "application/json"),
+                 "nowhere": ("GET", "/nowhere", b"", "application/json")}
+        for case, args in asked.items():
+            (status, ours), (expected, theirs) = request(server["base"], *args), request(base, *args)
+            assert status == expected, (case, status, ours[:300], expected, theirs[:300])
+            if status == 200:
+                assert ours == theirs, (case, ours[:300], theirs[:300])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -473,11 +547,12 @@ BAD = {
     "empty list": ({"inputs": []}, "no images"),
     "thousands of images": ({"inputs": [b64(SAMPLE)] * 3000}, "3000 images in one request"),
     "a number": ({"inputs": [b64(SAMPLE), 7]}, "image 1: a JSON int, not a string"),
-    "no inputs key": ({"instances": [b64(SAMPLE)]}, "has the keys ['instances'], not the one "
-                      "key 'inputs'"),
+    "no inputs key": ({"instances": [b64(SAMPLE)]}, "has no key 'inputs' (it has 'instances')"),
+    "many long keys": ({f"{i:06d}" + "k" * 100_000: 1 for i in range(50)},
+                       "has no key 'inputs' (it has '000000kkkkkkkkkkkkkk', "),
     "inputs not a list": ({"inputs": {"image": b64(SAMPLE)}}, "inputs is a dict, not a list"),
     "not json": ("inputs=" + b64(SAMPLE), "not valid JSON (Expecting value: line 1 column 1"),
-    "a json list": ("[1, 2]", "a JSON list, not an object with the one key 'inputs'"),
+    "a json list": ("[1, 2]", "a JSON list, not an object with the key 'inputs'"),
 }
 
 

@@ -31,7 +31,6 @@ from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
 from stages.serving.classifier import FIX, BadInput, Classifier
 from stages.serving.registry import registered_name, save_served, served_files
-from stages.tracking.stores import plain_uri
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
@@ -39,8 +38,10 @@ SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 # photos are resized before they are sent (MAX_PIXELS in stages/serving/classifier.py).
 MAX_BODY_BYTES = 8 * 2**20
 SHAPE = '{"inputs": [<base64 image file>, ...]}'
-# What logs in to the tracking server (MLflow reads each from the environment).
-LOGIN = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+ROUTES = {"/invocations": "POST", "/ping": "GET", "/health": "GET", "/version": "GET"}
+# The model server's environment: these variables and those with these prefixes, no other.
+SERVER_VARIABLES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM")
+SERVER_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_")
 
 
 def curl_line(base: str) -> str:
@@ -51,12 +52,12 @@ def curl_line(base: str) -> str:
 
 
 def server_env() -> dict[str, str]:
-    """This environment (`mlflow models serve` starts `uvicorn` from the PATH), without the
-    tracking server's login: the model server never reads the registry, and it decodes what
-    anyone who reaches its port sends, so a hole in a decoder would not hand over the password."""
-    env = {k: v for k, v in os.environ.items() if k not in LOGIN}
-    if "MLFLOW_TRACKING_URI" in env:
-        env["MLFLOW_TRACKING_URI"] = plain_uri(env["MLFLOW_TRACKING_URI"])
+    """What the model server process needs of this environment (this venv's PATH, Python's and
+    the math libraries' settings, the locale), nothing else: it never reads the registry, and it
+    decodes what anyone who reaches its port sends, so a hole in a decoder would find no login
+    to the tracking server nor any other secret (cloud keys) in its environment."""
+    env = {k: v for k, v in os.environ.items()
+           if k in SERVER_VARIABLES or k.startswith(SERVER_PREFIXES)}
     return dict(env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
@@ -75,6 +76,14 @@ def not_utf8_at(body: bytes) -> int | None:
     return None
 
 
+def is_json(content_type: bytes) -> bool:
+    """application/json, in UTF-8 if it names a charset at all."""
+    kind, *params = content_type.decode("latin-1").lower().split(";")
+    charsets = [p.partition("=")[2].strip().strip('"') for p in params
+                if p.partition("=")[0].strip() == "charset"]
+    return kind.strip() == "application/json" and all(c in ("utf-8", "utf8") for c in charsets)
+
+
 def parsed(body: bytes) -> object:
     """The request's JSON. Python's parser recurses once per `[` or `{` and fails near 1000
     levels deep with a RecursionError; a request has 2."""
@@ -86,8 +95,9 @@ def parsed(body: bytes) -> object:
         raise BadInput(f"the request is not valid JSON ({e}); send {SHAPE}") from None
 
 
-async def reply(send, status: int, body: dict | None = None, close: bool = False) -> None:
-    data = b"\n" if body is None else json.dumps(body).encode()
+async def reply(send, status: int, body: dict | None = None, close: bool = False,
+                raw: bytes = b"\n") -> None:
+    data = raw if body is None else json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status,
@@ -109,23 +119,31 @@ class Served:
     that never repeats the request."""
 
     def __init__(self, classify: Classifier, max_body: int = MAX_BODY_BYTES):
-        self.classify, self.max_body = classify, max_body
+        from importlib.metadata import version
+
+        self.classify, self.max_body, self.version = classify, max_body, version("mlflow")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
-        route = (scope["method"], scope["path"])
-        if route in (("GET", "/ping"), ("GET", "/health")):
+        method, path = scope["method"], scope["path"]
+        if path not in ROUTES:  # the path is not repeated: it can be anything a client sends
+            await refuse(send, 404, "ENDPOINT_NOT_FOUND", "no such endpoint here: POST "
+                         "/invocations, GET /ping, /health or /version")
+            return
+        if method != ROUTES[path]:
+            await refuse(send, 405, "METHOD_NOT_ALLOWED", f"{path} takes {ROUTES[path]}")
+            return
+        if path == "/version":  # as MLflow's server: the MLflow it runs with
+            await reply(send, 200, raw=self.version.encode())
+            return
+        if path != "/invocations":
             await reply(send, 200)
             return
-        if route != ("POST", "/invocations"):
-            await refuse(send, 404, "ENDPOINT_NOT_FOUND", f"no {scope['method']} {scope['path']} "
-                         "here: POST /invocations, GET /ping")
-            return
         headers = dict(scope["headers"])
-        if not headers.get(b"content-type", b"").startswith(b"application/json"):
-            await refuse(send, 415, "BAD_REQUEST", "send the request with Content-Type: "
-                         "application/json")
+        if not is_json(headers.get(b"content-type", b"")):
+            await refuse(send, 415, "BAD_REQUEST", "send the request as Content-Type: "
+                         "application/json (UTF-8)")
             return
         too_big = (f"a request body over {self.max_body:,} bytes, the most `make serve` reads "
                    "(MAX_BODY_BYTES in stages/serving/app.py); send the images in smaller batches, "
@@ -163,10 +181,11 @@ class Served:
         request = parsed(body)
         if not isinstance(request, dict):
             raise BadInput(f"the request is a JSON {type(request).__name__}, not an object with "
-                           f"the one key 'inputs'; {FIX}")
-        if set(request) != {"inputs"}:
-            raise BadInput(f"the request has the keys {sorted(request)}, not the one key "
-                           f"'inputs'; {FIX}")
+                           f"the key 'inputs'; {FIX}")
+        if "inputs" not in request:  # other keys are left alone, as MLflow's server leaves them
+            keys = ", ".join(repr(k[:20]) for k in list(request)[:3])
+            raise BadInput(f"the request has no key 'inputs' (it has {keys}"
+                           f"{f' and {len(request) - 3:,} more' if len(request) > 3 else ''}); {FIX}")
         return self.classify(request["inputs"])
 
 
