@@ -5,8 +5,8 @@
 - `make serve`, first start: the champion looked up in the registry (MLflow imported, the
   store read, the two files downloaded), then the model server; the lookup's cache emptied first;
 - `make serve`, restart: the same, the lookup's cache checked instead (stages/serving/registry.py);
-- `mlflow models serve` of the same model saved (`make serve --save`): MLflow's scoring server,
-  what the container runs and what `make serve` ran until it served the classifier itself;
+- `mlflow models serve` of the same model saved (`python -m stages.serving.app --save`):
+  MLflow's scoring server, what the container runs and what `make serve` ran before;
 - served mlflow.pytorch: the model as export logged it before, `mlflow models serve` of it; the
   client decodes, resizes and normalizes each image and applies softmax to the logits, as its
   users had to;
