@@ -844,8 +844,12 @@ def test_the_log_is_private(server):
     assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
 
 
-def test_ctrl_c_stops_the_server(server):
+def test_ctrl_c_stops_the_server_and_it_restarts_on_its_port_at_once(server, champion):
     proc, port = server["proc"], server["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:  # the server closes it:
+        s.sendall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 999999999\r\n\r\n")  # its side waits in TIME_WAIT
+        assert answer_of(s).startswith(b"HTTP/1.1 413 ")
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the foreground group
     proc.wait(timeout=30)
     assert "stopping the model server" in proc.stderr.read()
@@ -853,6 +857,19 @@ def test_ctrl_c_stops_the_server(server):
     with pytest.raises(OSError):
         post(server["base"], {"inputs": [b64(SAMPLE)]})
     assert not [cmd for cmd in command_lines().values() if f"--port\0{port}\0".encode() in cmd]
+    # A restart after a crash: the same port, at once, not "taken" for TIME_WAIT's minute.
+    with serving(*champion, port) as again:
+        status, body = post(again["base"], {"inputs": [b64(SAMPLE)]})
+        assert status == 200 and len(body["predictions"]) == 1, body
+
+
+def test_a_port_another_server_listens_on_is_one_line(champion):
+    w, env = champion
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = run(make_serve(port), w, env=env, check=False, timeout=120)
+    assert p.returncode != 0 and "curl " not in p.stdout
+    assert f"error: port {port} on 127.0.0.1 is taken; `make serve PORT={port + 1}`" in p.stderr
 
 
 def command_lines() -> dict[int, bytes]:

@@ -94,7 +94,8 @@ def served(command: list[str], port: int, first: Callable[[], object], timeout_s
     while not answers(f"http://127.0.0.1:{port}/ping"):
         if server.poll() is not None or time.perf_counter() - t > timeout_s:
             stop(server)
-            raise RuntimeError(f"{' '.join(command)} did not answer; see {log}")
+            raise RuntimeError(f"{' '.join(command)} did not answer; its log (removed with the "
+                               f"bench's folder) ended:\n{log.read_text()[-2000:]}")
         time.sleep(0.05)
     first()
     return server, time.perf_counter() - t

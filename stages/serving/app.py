@@ -223,13 +223,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def port_free(port: int) -> bool:
-    """Nothing listens on it: else /ping could be answered by another server."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
+    """Nothing listens on it: else /ping could be answered by another server. Bound as uvicorn
+    binds (SO_REUSEADDR, create_server's default), so that the connections a server just
+    stopped had closed (TIME_WAIT, a minute) do not keep its restart off the port."""
+    try:
+        with socket.create_server(("127.0.0.1", port)):
             return True
-        except OSError:
-            return False
+    except OSError:
+        return False
 
 
 def serve(name: str, work: Path, args) -> None:
