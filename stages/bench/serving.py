@@ -21,7 +21,6 @@ its count or --budget-s, whichever comes first. Then `make serve`'s start in its
 
 from __future__ import annotations
 
-import argparse
 import base64
 import http.client
 import json
@@ -151,8 +150,9 @@ def first_start_row(images: list[bytes], port: int, args, work: Path) -> dict:
     row = pyfunc_row(make_serve(port), images, port, args, work / "first.log", dict(os.environ))
     if not entry.exists():
         time.sleep(QUIET_S)
-        pyfunc_row(make_serve(port), images[:1], port, argparse.Namespace(
-            **{**vars(args), "requests": 1, "batches": 1}), work / "fill.log", dict(os.environ))
+        server, _ = served(make_serve(port), port, lambda: None, args.timeout, work / "fill.log",
+                           dict(os.environ))
+        stop(server)
     if not entry.exists():
         raise RuntimeError("`make serve` left no cache of its lookup (stages/serving/registry.py: "
                            "a store it cannot cache?): the restart's row would time a first start")

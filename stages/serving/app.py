@@ -67,15 +67,6 @@ def serve_command(folder: Path, port: int) -> list[str]:
             str(port)]
 
 
-def not_utf8_at(body: bytes) -> int | None:
-    """The first byte that is not UTF-8, or None."""
-    try:
-        body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return e.start
-    return None
-
-
 def is_json(content_type: bytes) -> bool:
     """application/json, in UTF-8 if it names a charset at all."""
     kind, *params = content_type.decode("latin-1").lower().split(";")
@@ -85,19 +76,22 @@ def is_json(content_type: bytes) -> bool:
 
 
 def parsed(body: bytes) -> object:
-    """The request's JSON. Python's parser recurses once per `[` or `{` and fails near 1000
-    levels deep with a RecursionError; a request has 2."""
+    """The request's JSON, from UTF-8 text (decoded once). Python's parser recurses once per `[`
+    or `{` and fails near 1000 levels deep with a RecursionError; a request has 2."""
     try:
-        return json.loads(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"the request is not UTF-8 text (byte {e.start} is not); send JSON, "
+                       f"{SHAPE}, uncompressed") from None
+    try:
+        return json.loads(text)
     except RecursionError:
         raise BadInput(f"the request's JSON is nested too deeply to parse; send {SHAPE}") from None
     except ValueError as e:
         raise BadInput(f"the request is not valid JSON ({e}); send {SHAPE}") from None
 
 
-async def reply(send, status: int, body: dict | None = None, close: bool = False,
-                raw: bytes = b"\n") -> None:
-    data = raw if body is None else json.dumps(body).encode()
+async def reply(send, status: int, data: bytes = b"\n", close: bool = False) -> None:
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status,
@@ -108,7 +102,7 @@ async def reply(send, status: int, body: dict | None = None, close: bool = False
 async def refuse(send, status: int, code: str, message: str, close: bool = False) -> None:
     """An error answered as MLflow's scoring server answers its own:
     {"error_code": ..., "message": ...}."""
-    await reply(send, status, {"error_code": code, "message": message}, close)
+    await reply(send, status, json.dumps({"error_code": code, "message": message}).encode(), close)
 
 
 class Served:
@@ -135,7 +129,7 @@ class Served:
             await refuse(send, 405, "METHOD_NOT_ALLOWED", f"{path} takes {ROUTES[path]}")
             return
         if path == "/version":  # as MLflow's server: the MLflow it runs with
-            await reply(send, 200, raw=self.version.encode())
+            await reply(send, 200, self.version.encode())
             return
         if path != "/invocations":
             await reply(send, 200)
@@ -172,12 +166,9 @@ class Served:
             await refuse(send, 500, "INTERNAL_ERROR", "the model failed on this request; the "
                          "server's log says why")
             return
-        await reply(send, 200, {"predictions": records})
+        await reply(send, 200, json.dumps({"predictions": records}).encode())
 
     def answer(self, body: bytes) -> list[dict]:
-        if (at := not_utf8_at(body)) is not None:
-            raise BadInput(f"the request is not UTF-8 text (byte {at} is not); send JSON, "
-                           f"{SHAPE}, uncompressed")
         request = parsed(body)
         if not isinstance(request, dict):
             raise BadInput(f"the request is a JSON {type(request).__name__}, not an object with "
