@@ -6,11 +6,13 @@ import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 from PIL import Image
 
 from stages.data import load_split
-from tests.conftest import ROOT, committed, copy_params, copy_repo, env_with, run, set_params
+from tests.conftest import (ROOT, VENV_BIN, committed, copy_params, copy_repo, env_with, run,
+                            set_params)
 
 
 def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
@@ -99,3 +101,66 @@ def test_predict_warns_on_digits_drawn_dark_on_light(tmp_path, exported):
     rows = [json.loads(ln) for ln in run([*args, "--json", str(tmp_path / "inv3.png")], tmp_path,
                                          env=env).stdout.splitlines()]
     assert "far from the training images'" in rows[0]["warning"]
+
+
+def data_recipe() -> str:
+    """docs/data.md's "Bring your own data" block, as a user pastes it."""
+    text = (ROOT / "docs/data.md").read_text()
+    return text.split("## Bring your own data", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_dvc_sees_every_dvc_file_the_data_recipe_makes_in_data_raw():
+    """`/data/raw/*` in .gitignore made DVC's ignore check answer true for `data/raw/` itself:
+    DVC never read `data/raw/<name>.dvc`, and its next checkout deleted the folder."""
+    from dvc.repo import Repo
+
+    with Repo(str(ROOT)) as repo:
+        assert not repo.scm.is_ignored(f"{ROOT}/data/raw/")
+        assert not repo.scm.is_ignored(f"{ROOT}/data/raw/shapes.dvc")
+        assert repo.scm.is_ignored(f"{ROOT}/data/raw/cifar-10-python.tar.gz")  # downloads stay out
+
+
+def test_the_data_recipe_as_written_trains_on_the_folder_and_keeps_every_file(tmp_path):
+    """docs/data.md's block, line for line, on a fresh copy: the folder in data/raw/ trains the
+    model and stays whole; DVC watches it and `make share` sends it. Then the other places a
+    user puts data: at the top of the repo, and outside it (by absolute path)."""
+    from tests.support.image_files import CLASSES, make_folder
+
+    repo = copy_repo(tmp_path / "repo")
+    (repo / ".venv").symlink_to(VENV_BIN.parent)  # `make share` on the tests' venv
+    make_folder(repo / "data/raw/shapes", per_class=15, bad=False)
+    before = files_of(repo / "data/raw/shapes")
+    p = run(["bash", "-eo", "pipefail", "-c", data_recipe()], repo)
+    assert files_of(repo / "data/raw/shapes") == before
+    assert "Running stage 'train'" in p.stdout
+    assert json.loads((repo / "data/prepared/meta.json").read_text())["classes"] == list(CLASSES)
+    assert run(["git", "status", "--porcelain", "data/raw"], repo).stdout == ""  # all committed
+
+    # DVC watches the folder: an edit shows, and the remote gets it.
+    victim = next(iter(sorted((repo / "data/raw/shapes/circle").iterdir())))
+    victim.unlink()
+    assert "data/raw/shapes.dvc" in run(["dvc", "status"], repo).stdout
+    run(["dvc", "checkout", "data/raw/shapes.dvc"], repo)
+    assert files_of(repo / "data/raw/shapes") == before
+    store = tmp_path / "store"
+    run(["dvc", "remote", "add", "-d", "--local", "storage", str(store)], repo)
+    run(["make", "-s", "share"], repo)
+    dir_md5 = re.search(r"md5: (\w+\.dir)", (repo / "data/raw/shapes.dvc").read_text())[1]
+    assert (store / "files/md5" / dir_md5[:2] / dir_md5[2:]).is_file()
+
+    # At the top of the repository, and outside it: the same model, every file kept.
+    shutil.copytree(repo / "data/raw/shapes", repo / "shapes")
+    outside = shutil.copytree(repo / "data/raw/shapes", tmp_path / "elsewhere/shapes")
+    run(["bash", "-eo", "pipefail", "-c", "dvc add shapes && git add shapes.dvc .gitignore && "
+         "git commit -qm 'shapes at the top' && dvc exp run -S data.root=shapes"], repo)
+    assert files_of(repo / "shapes") == before
+    refused = run(["dvc", "add", str(outside)], repo, check=False)
+    assert "outside of DVC project" in refused.stderr  # docs/data.md says so, and what to do
+    run(["dvc", "exp", "run", "-S", f"data.root={outside}"], repo)
+    assert files_of(outside) == files_of(repo / "shapes") == files_of(repo / "data/raw/shapes") \
+        == before
+    assert json.loads((repo / "data/prepared/meta.json").read_text())["classes"] == list(CLASSES)
