@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import secrets
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -606,3 +608,62 @@ def test_make_server_takes_a_db_with_quotes_and_blanks_as_one_value(tmp_path):
         assert p.returncode != 0 and "x9q" not in out and "S3cr3t" not in out, out
         assert "MLFLOW_TRACKING_PASSWORD is too short" in out, out  # it reached the checks
         assert "holds a password" in out or "password" not in db, out
+
+
+def in_a_terminal(argv: list[str], env: dict[str, str], answer: str) -> subprocess.CompletedProcess:
+    """argv with a terminal of its own, as a user runs it: getpass reads /dev/tty (the snippet's
+    stdin is its heredoc), here a pseudo-terminal that types `answer` once asked for a password
+    (getpass flushes what was typed before it asked)."""
+    import os
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execvpe(argv[0], argv, env)
+    out, typed, deadline = b"", False, time.monotonic() + 120
+    while True:
+        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            os.kill(pid, signal.SIGKILL)  # stuck: what it printed goes into the failure
+            break
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+        if not typed and b"password" in out:
+            os.write(fd, answer.encode())
+            typed = True
+    _, status = os.waitpid(pid, 0)
+    return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status), out.decode(), "")
+
+
+def test_docs_member_and_grant_snippets_run_as_written_and_the_member_logs(server, monkeypatch):
+    """docs/server.md's two admin snippets, in order: the first creates alice, the second grants
+    her EDIT on the experiment and the registered model (it granted a `bob` no one had made)."""
+    import mlflow
+
+    text = (ROOT / "docs/server.md").read_text()
+    snippets = [b for b in text.split("```bash\n")[1:] if "<<'PY'" in b.split("```")[0]]
+    assert len(snippets) >= 2
+    password = f"alice-{secrets.token_hex(8)}"
+    for block in snippets[:2]:
+        script = (block.split("```")[0].replace("http://127.0.0.1:5000", server.uri)
+                  .replace(".venv/bin/python", sys.executable))
+        p = in_a_terminal(["bash", "-eo", "pipefail", "-c", script], server.client_env(),
+                          answer=password + "\n")
+        assert p.returncode == 0, p.stdout[-3000:]
+    client = mlflow.MlflowClient(server.uri)
+    env = {"MLFLOW_TRACKING_USERNAME": "alice", "MLFLOW_TRACKING_PASSWORD": password}
+    p = subprocess.run([sys.executable, "-c", "import mlflow; mlflow.set_experiment('reprotrain'); "
+                        "r = mlflow.start_run(); mlflow.log_param('who', 'alice'); mlflow.end_run(); "
+                        "mlflow.MlflowClient().set_registered_model_tag('reprotrain', 'by', 'alice');"
+                        "print(r.info.run_id)"], cwd=ROOT, env=server.client_env() | env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", server.user)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", server.password)
+    assert client.get_run(p.stdout.split()[-1]).data.params == {"who": "alice"}
+    assert client.get_registered_model("reprotrain").tags["by"] == "alice"
