@@ -132,8 +132,14 @@ server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIF
 # (their Experiment cell is empty) from the rev column and drops it. `dvc exp show` has it all.
 # The column sorted by is always shown (a sweep's objective, best_val_loss, among them).
 EXPS_KEEP = ^(Experiment|rev|accuracy|macro_f1|loss|best_val_acc|lr|epochs|batch_size$(if $(EXPS_SORT),|$(lastword $(subst :, ,$(EXPS_SORT)))))$$
-EXPS_DROP := typ|parent|Created|State|Executor|.*/.*|requirements\.lock|params\.yaml|best_val_loss|best_epoch|epochs_run|num_params|^n$$
-EXPS_REVS ?=  # e.g. --rev origin/main --rev HEAD: experiments of those commits (default HEAD's)
+# Every column but those kept (--keep protects them) and params: a param's column is a top-level
+# key of params.yaml, or one and a dot. Dependency columns are paths, and a dataset folder at the
+# top (`shapes`, a 40-character hash) looks like any other name: only this rule drops them all.
+EXPS_DROP = (?!($(shell awk -F: '/^[a-z_]+:/ {printf "%s%s", sep, $$1; sep = "|"}' params.yaml))(\.|$$))
+# Every experiment, whatever commit it was made on: `dvc exp show` alone shows HEAD's, so a
+# commit (docs/data.md's "add shapes") hid all earlier ones. HEAD's, then those of each commit
+# `dvc exp list --all-commits` lists (a branch's tip by its name); e.g. EXPS_REVS='--rev HEAD'.
+EXPS_REVS ?= --rev HEAD $$(dvc exp list --all-commits | sed -n 's/^\([^[:space:]].*\):$$/--rev \1/p')
 EXPS_SORT ?=  # e.g. models/train/metrics.json:best_val_acc (a sweep prints its objective's)
 EXPS_ORDER ?= desc
 exps: setup ## experiments side by side, 120 columns: lr, epochs, batch_size, headline metrics

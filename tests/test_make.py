@@ -122,6 +122,65 @@ def test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back(
     assert "up to date" in run(["dvc", "status"], repo).stdout
 
 
+# ------------------------------------------------------------ make exps
+
+# A stage with the pipeline's shape where make exps looks: a params dep, the data folder
+# `data.root` names as a dep, a metrics file.
+EXPS_STAGE = """\
+stages:
+  train:
+    cmd: python -c "import json; json.dump(dict(accuracy=0.5), open('metrics.json', 'w'))"
+    deps:
+      - ${data.root}
+    params:
+      - lr
+      - data.root
+    metrics:
+      - metrics.json:
+          cache: false
+"""
+
+
+def test_make_exps_keeps_earlier_commits_experiments_and_shows_no_hashes(tmp_path):
+    """docs/data.md's recipe in brief, with real experiments: one on the digits, then a dataset
+    folder `dvc add`ed and committed (here at the top: its column is then named `shapes`), then
+    one on it. `make exps` showed the second only (the commit hid the first) and a `shapes`
+    column holding a 40-character hash, past its 120 columns."""
+    repo = tmp_path / "repo"
+    for name in ("Makefile", "requirements.lock", ".dvc/config"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, repo / name)  # copy2: the venv's stamp stays newer than the lock
+    copy_params(repo)
+    (repo / "dvc.yaml").write_text(EXPS_STAGE)
+    (repo / "data/raw").mkdir(parents=True)
+    (repo / "data/raw/README.md").write_text("data.root's default\n")
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run(["dvc", "init", "-q", "--force"], repo)
+    shutil.copy2(ROOT / ".dvc/config", repo / ".dvc/config")
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "init"], repo)
+    run(["dvc", "exp", "run", "-n", "on-digits", "-S", "lr=0.01"], repo)
+    (repo / "shapes/circle").mkdir(parents=True)
+    (repo / "shapes/circle/001.png").write_bytes(b"a file to hash")
+    run(["dvc", "add", "shapes"], repo)
+    run(["git", "add", "shapes.dvc", ".gitignore"], repo)
+    run(["git", "commit", "-qm", "add shapes"], repo)
+    run(["dvc", "exp", "run", "-n", "on-shapes", "-S", "data.root=shapes"], repo)
+    assert "shapes" in run(["dvc", "exp", "show", "--csv"], repo).stdout.splitlines()[0].split(",")
+
+    p = make(repo, "exps")
+    table = p.stdout.splitlines()
+    assert p.returncode == 0 and max(map(len, table)) <= 120, p.stdout + p.stderr
+    assert table[0].split() == ["Experiment", "test_acc", "lr", "epochs", "batch_size",
+                                "data.root"], p.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in table[1:]}
+    assert rows["on-digits"] == ["0.5", "0.01", "30", "64", "data/raw"], p.stdout
+    assert rows["on-shapes"] == ["0.5", "0.01", "30", "64", "shapes"], p.stdout
+    first = run(["git", "rev-parse", "--short", "HEAD~1"], repo).stdout.strip()
+    assert list(rows) == ["workspace", "main", "on-shapes", first, "on-digits"], p.stdout
+    assert not re.search(r"[0-9a-f]{32}", p.stdout), p.stdout
+
+
 # ------------------------------------------------------------ a wrong Python
 
 def test_make_refuses_a_wrong_python_and_never_reuses_its_venv(tmp_path):

@@ -220,7 +220,7 @@ def default_dvc_remote(repo: Path) -> tuple[str, dict]:
 def shared_dvc_remote(repo: Path) -> dict[str, str]:
     """The default DVC remote's URL and connection options, for clones that lack it: one added
     with `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
-    committing .dvc/config would move HEAD, so earlier experiments leave `make exps`). Empty when
+    committing .dvc/config would move HEAD, away from the earlier experiments' commit). Empty when
     there is none, or when its URL holds a password (the study's attributes are no place for it)."""
     import urllib.parse
 
