@@ -286,21 +286,28 @@ def shown(text: str | Path) -> str:
 UNLIKE_TRAINING_STDS = 1.0
 
 
-def brightness_offset(x: np.ndarray) -> np.ndarray:
-    """Each normalized image's mean: its brightness against the training mean, in training stds."""
-    return x.mean(axis=(1, 2, 3))
+def unlike_training(image: np.ndarray, x: np.ndarray, spec: dict) -> str | None:
+    """A warning when an image is clearly unlike what the model learned from, which a model
+    answers as confidently as anything else, and wrongly: `image` as decode_image gives it,
+    `x` as model_input normalized it. The figures first, then after ": it is " the reason.
 
-
-def unlike_training(offset: float, spec: dict) -> str | None:
-    """A warning when an image is far brighter or darker than what the model learned from: a
-    model is confidently wrong on such inputs (dark strokes on light paper for digits)."""
-    if abs(offset) <= UNLIKE_TRAINING_STDS:
-        return None
-    mean, std = np.mean(spec["mean"]), np.mean(spec["std"])
-    return (f"its mean brightness {mean + offset * std:.2f} is far from the training images' "
-            f"{mean:.2f} (std {std:.2f}, pixels 0-1): it is "
-            f"{'brighter' if offset > 0 else 'darker'} than what the model learned from (the "
-            "digits model learned light strokes on a dark background); its answer may be wrong")
+    Two checks on what model.json records: the mean brightness far from the training mean (dark
+    strokes on light paper for the digits model), and no color at all (R = G = B in every
+    pixel) for a model of 3 channels, which a user trains on color images (the digits given to
+    a shapes model came back `square 0.9998`, each)."""
+    offset = float(x.mean())  # the brightness against the training mean, in training stds
+    if abs(offset) > UNLIKE_TRAINING_STDS:
+        mean, std = np.mean(spec["mean"]), np.mean(spec["std"])
+        return (f"its mean brightness {mean + offset * std:.2f} is far from the training "
+                f"images' {mean:.2f} (std {std:.2f}, pixels 0-1): it is "
+                f"{'brighter' if offset > 0 else 'darker'} than what the model learned from (the "
+                "digits model learned light strokes on a dark background); its answer may be "
+                "wrong")
+    if len(image) == 3 and (image == image[:1]).all():
+        return ("it is grayscale (no color in any pixel) and the model takes color (3 channels): "
+                "it is unlike the images such a model learned from, unless they were grayscale "
+                "too; its answer may be wrong")
+    return None
 
 
 def model_input(images: list[np.ndarray], spec: dict) -> np.ndarray:
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = spec["classes"]
     k = min(args.top_k, len(classes))
 
-    failed, warned = 0, False
+    failed, warned = 0, set()
     files = collect(args.paths)
 
     def emit_error(path: Path, reason: str) -> None:
@@ -388,20 +395,20 @@ def main(argv: list[str] | None = None) -> int:
             continue
         x = model_input(batch, spec)
         probs = probabilities(run(x), len(x), spec, f"--model {args.model}", spec_path)
-        for path, p, offset in zip(paths, probs, brightness_offset(x), strict=True):
+        for path, p, image, xi in zip(paths, probs, batch, x, strict=True):
             top = np.argsort(-p)[:k]
-            warning = unlike_training(offset, spec)
+            warning = unlike_training(image, xi, spec)
             if args.json:
                 print(json.dumps({"path": str(path), "label": classes[top[0]],
                                   "confidence": float(p[top[0]]),
                                   "top_k": [{"label": classes[i], "p": float(p[i])} for i in top]}
                                  | ({"warning": warning} if warning else {})))
             else:
-                if warning:  # the whole reason once, then the figures only
+                if warning:  # each reason once, then the figures only
+                    figures, _, reason = warning.partition(": it is ")
                     print(f"warning: {shown(path)}: "
-                          f"{warning if not warned else warning.split(': it is ')[0]}",
-                          file=sys.stderr)
-                    warned = True
+                          f"{figures if reason in warned else warning}", file=sys.stderr)
+                    warned.add(reason)
                 print("\t".join([shown(path), *(f"{shown(classes[i])}\t{p[i]:.4f}" for i in top)]))
     if not files:
         print("error: no image files found in " + " ".join(args.paths), file=sys.stderr)

@@ -64,6 +64,27 @@ def test_predict_reproduces_evaluate_accuracy(shapes_repo):
         [r["path"], *(f for t in r["top_k"] for f in (t["label"], f"{t['p']:.4f}"))] for r in rows]
 
 
+def test_predict_warns_when_the_shapes_model_is_given_the_grayscale_digits(shapes_repo):
+    """docs/data.md's recipe, then README's predict on the digit samples: the shapes model (3
+    channels, trained on color) answered each `square 0.9998` without a word. Each digit is
+    flagged, the reason once; the shapes' own color test images pass quietly."""
+    from PIL import Image
+
+    repo, _ = shapes_repo
+    p = predict_in(repo, str(ROOT / "data/samples"))
+    assert p.returncode == 0 and len(p.stdout.splitlines()) == 10, p.stderr
+    assert p.stderr.count("warning: ") == 10 and p.stderr.count("it is grayscale") == 10, p.stderr
+    assert p.stderr.count("unless they were grayscale too") == 1  # the reason once
+    row = json.loads(predict_in(repo, str(ROOT / "data/samples/3.png"), "--json").stdout)
+    assert "grayscale" in row["warning"] and "unless they were grayscale" in row["warning"]
+    color = [f for f in sorted((repo / "data/raw/shapes/test").rglob("*.*"))
+             if Image.open(f).mode not in ("L", "LA", "I;16")]
+    assert len(color) >= 24
+    quiet = predict_in(repo, *map(str, color))
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+    assert len(quiet.stdout.splitlines()) == len(color)
+
+
 def test_predict_names_a_bad_file_and_still_predicts_the_others(shapes_repo):
     repo, _ = shapes_repo
     good = sorted((repo / "data/raw/shapes/test/square").iterdir())[:2]

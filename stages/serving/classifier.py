@@ -109,8 +109,8 @@ class Classifier:
                                      self.spec_path)
         classes = self.spec["classes"]
         out = []
-        for p, offset in zip(probs, shared.brightness_offset(x), strict=True):
-            warning = shared.unlike_training(offset, self.spec)
+        for p, image, xi in zip(probs, images, x, strict=True):
+            warning = shared.unlike_training(image, xi, self.spec)
             out.append({"label": classes[p.argmax()], "probability": float(p.max()),
                         "probabilities": dict(zip(classes, map(float, p), strict=True))}
                        | ({"warning": warning} if warning else {}))
