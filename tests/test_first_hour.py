@@ -11,8 +11,17 @@ from pathlib import Path
 from PIL import Image
 
 from stages.data import load_split
-from tests.conftest import (ROOT, VENV_BIN, committed, copy_params, copy_repo, env_with, run,
-                            set_params)
+from tests.conftest import (
+    ROOT,
+    VENV_BIN,
+    committed,
+    copy_params,
+    copy_repo,
+    env_with,
+    rendered_dom,
+    run,
+    set_params,
+)
 
 
 def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
@@ -164,3 +173,34 @@ def test_the_data_recipe_as_written_trains_on_the_folder_and_keeps_every_file(tm
     assert files_of(outside) == files_of(repo / "shapes") == files_of(repo / "data/raw/shapes") \
         == before
     assert json.loads((repo / "data/prepared/meta.json").read_text())["classes"] == list(CLASSES)
+
+
+def test_the_confusion_chart_writes_every_nonzero_count_and_has_no_bare_checkbox(tmp_path):
+    """The plots page of main's committed results: DVC's `confusion` template put a bare
+    `showValues` checkbox above the F1 chart, and its two off-diagonal 1s were near-white beside
+    a diagonal of 36. Each nonzero cell now has its count written in it and a color apart from
+    the empty cells'."""
+    from collections import Counter
+
+    repo = copy_repo(tmp_path / "repo")
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env=env_with())
+    dom = rendered_dom(tmp_path / "plots/index.html", tmp_path)
+    assert dom.count('class="marks"') == 5 and 'type="checkbox"' not in dom, dom[-3000:]
+
+    def cell(label: str) -> tuple[tuple[str, str], int]:
+        f = dict(part.split(": ") for part in label.split("; "))
+        return (f["actual"], f["predicted"]), int(f["count"])
+
+    rows = (repo / "models/eval/confusion.csv").read_text().splitlines()[1:]
+    counts = Counter(tuple(row.split(",")) for row in rows)
+    assert any(a != p for a, p in counts) and min(counts.values()) == 1  # small errors to show
+    texts = re.findall(r'<text aria-label="([^"]*count: \d+)"[^>]*>(\d+)</text>', dom)
+    assert all(cell(label)[1] == int(text) for label, text in texts)  # each count in its cell
+    assert dict(cell(label) for label, _ in texts) == dict(counts), texts
+    fills = {cell(label): fill for label, fill in re.findall(
+        r'<path aria-label="([^"]*count: \d+)"[^>]*aria-roledescription="rect mark"[^>]*fill="([^"]+)"',
+        dom)}
+    assert len(fills) == 100  # every cell of 10 x 10, empty ones too
+    empty = {fill for (_, n), fill in fills.items() if n == 0}
+    ones = {fill for (_, n), fill in fills.items() if n == 1}
+    assert len(empty) == 1 and len(ones) == 1 and empty != ones, (empty, ones)

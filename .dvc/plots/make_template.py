@@ -45,7 +45,10 @@ PAGE = r"""<!DOCTYPE html>
                 `<div class="vega-chart" data-i="${specs.push(JSON.parse(spec)) - 1}"></div>`);
             const plots = document.getElementById("plots");
             plots.innerHTML = html;  // DVC's layout and images, with no data in it any more
-            for (const el of plots.querySelectorAll(".vega-chart")) vegaEmbed(el, specs[el.dataset.i]);
+            // SVG, not Vega-Embed's default canvas: a chart's words and numbers (the counts in
+            // the confusion cells) are then text on the page, found by Ctrl-F, sharp when zoomed.
+            for (const el of plots.querySelectorAll(".vega-chart"))
+                vegaEmbed(el, specs[el.dataset.i], {renderer: "svg"});
         });
     </script>
     <plaintext id="dvc-plots" hidden>{plot_divs}
