@@ -527,3 +527,42 @@ def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):
         assert p.returncode == 1 and token not in p.stdout + p.stderr, (p.stdout, p.stderr)
         assert p.stderr.startswith("error: REMOTE=") and "holds a password" in p.stderr and \
             "sweeper:***@" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_clones(tmp_path):
+    """README's S3 block commits an S3 default whose keys stay --local; docs/sweeps.md's recipe
+    then makes a folder the workspace's default with `dvc remote add -d --local`. The workers'
+    clones kept the committed S3 default, without keys, and every trial failed `Unable to locate
+    credentials`: they use the remote the workspace uses."""
+    from stages.sweep.worker import dvc_remote_keys, shared_dvc_remote, use_dvc_remote
+
+    repo = tmp_path / "repo"
+    run(["git", "init", "-q", str(repo)], tmp_path)
+    run(["dvc", "init", "-q"], repo)
+    (repo / "data.txt").write_text("what a trial needs\n")
+    run(["dvc", "add", "-q", "data.txt"], repo)
+    run(["dvc", "remote", "add", "-d", "team", "s3://team-dvc/none"], repo)
+    run(["dvc", "remote", "modify", "team", "endpointurl", "http://127.0.0.1:1"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "data and an S3 remote"], repo)
+    run(["dvc", "remote", "modify", "--local", "team", "access_key_id", "KEY"], repo)
+    run(["dvc", "remote", "modify", "--local", "team", "secret_access_key", "SECRET"], repo)
+    run(["dvc", "remote", "add", "-d", "--local", "storage", str(tmp_path / "store")], repo)
+    run(["dvc", "push", "-q"], repo)  # to the folder, the workspace's default
+
+    shared = shared_dvc_remote(repo)
+    assert shared == {"url": str(tmp_path / "store")} and dvc_remote_keys(repo) == {}
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+    assert use_dvc_remote(clone, shared)
+    pulled = run(["dvc", "pull"], clone, env=s3_client_env(tmp_path), check=False)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    assert (clone / "data.txt").read_text() == "what a trial needs\n"
+
+    # Where the workspace uses the committed default, the clone keeps its own (every option).
+    run(["dvc", "remote", "default", "--local", "--unset"], repo)
+    again = tmp_path / "again"
+    run(["git", "clone", "-q", str(repo), str(again)], tmp_path)
+    assert use_dvc_remote(again, shared_dvc_remote(repo))
+    assert not (again / ".dvc/config.local").exists()
+

@@ -229,6 +229,10 @@ def shared_dvc_remote(repo: Path) -> dict[str, str]:
         print(f"warning: the DVC remote {name!r} has a password in its URL, so workers get no "
               "DVC remote from here; commit a remote without it", file=sys.stderr)
         return {}
+    return shared_options(conf)
+
+
+def shared_options(conf: dict) -> dict[str, str]:
     return {k: str(conf[k]).lower() if isinstance(conf[k], bool) else str(conf[k])
             for k in SHARED_OPTIONS if k in conf}
 
@@ -243,19 +247,22 @@ def dvc_remote_keys(repo: Path) -> dict[str, str]:
 
 
 def use_dvc_remote(clone: Path, remote: dict[str, str] | str) -> bool:
-    """The clone's own default DVC remote, or else the coordinator's (`remote`), as a local one.
-    A study made before the options travelled holds the bare URL."""
-    if has_dvc_remote(clone):
-        return True
+    """The coordinator's default DVC remote (`remote`), as the clone's local default, unless the
+    clone's own default is that one (same URL and options: then it keeps every option it has).
+    The workspace's default may be a --local one over another committed default (docs/sweeps.md's
+    folder over README's S3 remote): the workers used the committed one, whose keys they lacked,
+    while the workspace pulled from its own. Without `remote` (its URL held a password), the
+    clone's own. A study made before the options travelled holds the bare URL."""
     options = {"url": remote} if isinstance(remote, str) else dict(remote)
-    url = options.pop("url", "")
-    if url:
-        subprocess.run([dvc(), "remote", "add", "-q", "-d", "--local", "sweep", url], cwd=clone,
-                       check=True, capture_output=True)
-        for key, value in options.items():
-            subprocess.run([dvc(), "remote", "modify", "-q", "--local", "sweep", key, value],
-                           cwd=clone, check=True, capture_output=True)
-    return bool(url)
+    own = shared_options(default_dvc_remote(clone)[1])
+    if not options.get("url") or all(own.get(k) == v for k, v in options.items()):
+        return has_dvc_remote(clone)
+    subprocess.run([dvc(), "remote", "add", "-q", "-d", "--local", "sweep", options.pop("url")],
+                   cwd=clone, check=True, capture_output=True)
+    for key, value in options.items():
+        subprocess.run([dvc(), "remote", "modify", "-q", "--local", "sweep", key, value],
+                       cwd=clone, check=True, capture_output=True)
+    return True
 
 
 def has_dvc_remote(clone: Path) -> bool:
