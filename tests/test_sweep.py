@@ -566,3 +566,21 @@ def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_c
     assert use_dvc_remote(again, shared_dvc_remote(repo))
     assert not (again / ".dvc/config.local").exists()
 
+
+def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_cause(tmp_path):
+    """Every trial failed `Unable to locate credentials` (an S3 remote without keys), and `make
+    sweep` exited 0: now 1, with one line that names the first failed trial's cause."""
+    repo = project(tmp_path, TINY.replace("trials: 8", "trials: 2"))
+    run(["dvc", "remote", "add", "-d", "team", "s3://team-dvc/none"], repo)  # no keys anywhere
+    run(["dvc", "remote", "modify", "team", "endpointurl", "http://127.0.0.1:1"], repo)
+    run(["git", "commit", "-qm", "an S3 remote", ".dvc/config"], repo)
+    run(["git", "push", "-q", "origin", "HEAD"], repo)
+    env = s3_client_env(tmp_path, REPROTRAIN_SWEEP_STORAGE=f"sqlite:///{tmp_path}/study.db")
+    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml", "--workers", "1",
+             "--study", "nokeys"], repo, env=env, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, (p.stdout[-3000:], p.stderr)
+    assert p.stderr.startswith("error: no trial of study nokeys completed: 2 failed") and \
+        "Unable to locate credentials" in p.stderr, p.stderr
+    assert "; give the DVC remote its keys: `dvc remote modify --local team access_key_id" in \
+        p.stderr, p.stderr
+    assert "study nokeys: 0 complete (0 restored from the run-cache), 0 pruned, 2 failed" in p.stdout

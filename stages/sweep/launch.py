@@ -17,11 +17,11 @@ from typing import Any
 
 from stages import tracking
 from stages.config import load_params
-from stages.sweep.report import plot, progress, pull, summary
+from stages.sweep.report import none_completed, plot, progress, pull, summary
 from stages.sweep.spec import SweepError, load_sweep
 from stages.sweep.study import create_study, optuna_logging_quiet, shown, storage_uri
 from stages.sweep.trial import STORAGE_ENV
-from stages.sweep.worker import dvc_remote_keys, last_error, shared_dvc_remote
+from stages.sweep.worker import default_dvc_remote, dvc_remote_keys, last_error, shared_dvc_remote
 
 WORKDIR = Path(".dvc/tmp/sweeps")  # clones and logs of local workers; git and DVC ignore it
 MAX_WORKERS = 256  # a SLURM array's tasks; local workers are bounded by this machine's cores
@@ -79,6 +79,8 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
         raise SweepError(f"{unfinished} trials never ended ({', '.join(engine.lost()) or 'workers gone'});"
                          f" start more workers: {STORAGE_ENV}=... python -m stages.sweep worker "
                          f"--study {name}")
+    if not counts["COMPLETE"]:  # nothing to pull, compare or restore: a failed sweep
+        raise SweepError(none_completed(optuna_study, default_dvc_remote(Path.cwd())[0], log_dir))
 
 
 def check_workers(workers: int, trials: int, launcher: str) -> None:

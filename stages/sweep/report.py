@@ -65,8 +65,7 @@ def summary(study, spec: dict) -> str:
         elif t.state.name == "PRUNED":
             note = f"pruned after epoch {t.user_attrs.get('pruned_at_epoch')}"
         elif t.state.name == "FAIL":
-            note = t.user_attrs.get("fail_reason") or \
-                f"its worker {t.user_attrs.get('worker', '?')} stopped sending heartbeats"
+            note = failure(t)
             if t.number in retried_as:
                 note += f"; retried as trial {retried_as[t.number]}"
         else:
@@ -81,6 +80,29 @@ def summary(study, spec: dict) -> str:
                       f"the run-cache), {c['PRUNED']} pruned, {c['FAIL']} failed",
                       f"  {'#':>3} {'state':<8} {metric:>{width}} "
                       f"{'params':<28} {'time':>5}", *rows])
+
+
+def failure(trial) -> str:
+    """Why a failed trial failed: its `dvc exp run`'s last error, or its worker's death."""
+    return trial.user_attrs.get("fail_reason") or \
+        f"its worker {trial.user_attrs.get('worker', '?')} stopped sending heartbeats"
+
+
+def none_completed(study, dvc_remote: str, logs: Path) -> str:
+    """The one line a sweep without a complete trial ends with: the first failure's cause."""
+    trials = study.get_trials(deepcopy=False)
+    c = Counter(t.state.name for t in trials)
+    line = f"no trial of study {study.study_name} completed: {c['FAIL']} failed, {c['PRUNED']} pruned"
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    if not failed:  # the pruner stopped every one: it had no complete trial to judge by
+        return f"{line}; start pruning later (pruner.n_startup_trials) or use pruner: {{name: none}}"
+    why = failure(failed[0])
+    # The workers get the keys of this workspace's default DVC remote, or the environment's.
+    fix = f"give the DVC remote its keys: `dvc remote modify --local {dvc_remote or 'NAME'} " \
+          "access_key_id ...` and `secret_access_key ...`, or AWS_ACCESS_KEY_ID and " \
+          "AWS_SECRET_ACCESS_KEY in the environment" if "Unable to locate credentials" in why \
+        else f"the workers' logs: {logs}"
+    return f"{line}; trial {failed[0].number}: {why}; {fix}"
 
 
 def plot(study, spec: dict, out: Path) -> Path:
