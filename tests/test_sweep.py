@@ -584,3 +584,27 @@ def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_cause(tmp_path):
     assert "; give the DVC remote its keys: `dvc remote modify --local team access_key_id" in \
         p.stderr, p.stderr
     assert "study nokeys: 0 complete (0 restored from the run-cache), 0 pruned, 2 failed" in p.stdout
+
+
+def test_the_picture_of_a_sweep_without_a_complete_trial_says_so():
+    """Every trial failed: the picture had empty axes from -0.05 to 0.05 and a legend of
+    markers drawn nowhere. It says that no trial completed, and why the first one failed."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from stages.sweep.report import figure
+
+    study = optuna.create_study(study_name="nokeys", direction="minimize")
+    for lr in (0.003, 0.03):
+        study.add_trial(optuna.trial.create_trial(
+            params={"lr": lr}, distributions={"lr": FloatDistribution(1e-4, 0.1, log=True)},
+            state=optuna.trial.TrialState.FAIL, user_attrs={
+                "fail_reason": "ERROR: Failed to reproduce experiment '60e73b1': Unable to "
+                               "locate credentials"}))
+    spec = {"objective": {"metric": "best_val_loss", "direction": "minimize",
+                          "per_epoch": "val_loss"},
+            "space": {"lr": {"type": "float", "low": 1e-4, "high": 0.1, "log": True}}}
+    fig = figure(study, spec)
+    words = " ".join(t.get_text() for ax in fig.axes for t in [ax.title, *ax.texts])
+    assert "no trial completed" in words and "Unable to locate credentials" in words, words
+    assert not any(ax.axison for ax in fig.axes)  # no axis of numbers that no trial has

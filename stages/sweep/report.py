@@ -106,6 +106,19 @@ def none_completed(study, dvc_remote: str, logs: Path) -> str:
 
 
 def plot(study, spec: dict, out: Path) -> Path:
+    """The picture, `figure`, written to `out` whole or not at all."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(study, spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def figure(study, spec: dict):
     """The objective per trial (best so far as a line, pruned trials at their last reported
     figure) and against each swept parameter."""
     import matplotlib
@@ -118,6 +131,8 @@ def plot(study, spec: dict, out: Path) -> Path:
     done = [t for t in trials if t.state.name == "COMPLETE"]
     pruned = [t for t in trials if t.state.name == "PRUNED" and t.intermediate_values]
     obj = spec["objective"]
+    if not done and not pruned:
+        return nothing_to_draw(study)
     keys = list(spec["space"])
     fig, axes = plt.subplots(1, 1 + len(keys), figsize=(5 * (1 + len(keys)), 4), squeeze=False)
     ax = axes[0][0]
@@ -153,12 +168,31 @@ def plot(study, spec: dict, out: Path) -> Path:
             ax.set_xscale("log")
         ax.set(xlabel=key, ylabel=obj["metric"], title=f"{obj['metric']} against {key}")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return fig
+
+
+def nothing_to_draw(study):
+    """No trial has a value: in words, since empty axes (-0.05 to 0.05, and a legend of markers
+    drawn nowhere) read as a broken picture."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    trials = study.get_trials(deepcopy=False)
+    c = Counter(t.state.name for t in trials)
+    yet = " yet" if c["RUNNING"] + c["WAITING"] else ""
+    lines = [f"{c['FAIL']} failed, {c['PRUNED']} pruned, {c['RUNNING']} running, "
+             f"{c['WAITING']} waiting"]
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    if failed:
+        lines += textwrap.wrap(f"trial {failed[0].number}: {failure(failed[0])}", 90)
+    lines.append(f"every trial: python -m stages.sweep status --study {study.study_name}")
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.axis("off")
+    ax.set_title(f"{study.study_name}: no trial completed{yet}", fontsize=14)
+    ax.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", transform=ax.transAxes,
+            fontsize=11, linespacing=1.6)
+    return fig
 
 
 def log_axis(dist: dict) -> bool:
