@@ -584,6 +584,7 @@ def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_cause(tmp_path):
     assert "; give the DVC remote its keys: `dvc remote modify --local team access_key_id" in \
         p.stderr, p.stderr
     assert "study nokeys: 0 complete (0 restored from the run-cache), 0 pruned, 2 failed" in p.stdout
+    assert (repo / ".dvc/tmp/sweeps/nokeys/trials.png").stat().st_size > 5_000  # in words
 
 
 def test_the_picture_of_a_sweep_without_a_complete_trial_says_so():
