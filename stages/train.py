@@ -34,6 +34,7 @@ from stages.metrics import HISTORY
 from stages.models import build_model, count_params
 from stages.runtime import resolve_device
 from stages.sweep import trial
+from stages.team import share
 
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
@@ -44,6 +45,10 @@ def main() -> None:
     params = load_params()
     resolve_device(params.train.device)  # an unusable device fails now, not after the data loads
     check_checkpoint_root(repo_root() / params.train.checkpoint_dir, repo_root(), params.data.root)
+    if not distributed.under_torchrun():  # said once, by the process DVC started
+        note = share.unrestored("train")
+        if note:
+            print(note, flush=True)
     nproc = distributed.requested_processes(params.train, params.batch_size)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return

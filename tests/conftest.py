@@ -257,6 +257,8 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_the_onnx_file_has_the_opset_model_json_names",
     ),
     "test_first_hour.py": (
+        "test_a_lock_whose_models_no_one_shared_says_so_before_training",
+        "test_the_data_recipe_as_written_trains_on_the_folder_and_keeps_every_file",
         "test_predict_warns_on_digits_drawn_dark_on_light",
         "test_the_suite_ignores_the_experiment_in_progress",
         "test_the_way_back_to_main_works_where_main_was_never_built",

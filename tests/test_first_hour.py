@@ -204,3 +204,21 @@ def test_the_confusion_chart_writes_every_nonzero_count_and_has_no_bare_checkbox
     empty = {fill for (_, n), fill in fills.items() if n == 0}
     ones = {fill for (_, n), fill in fills.items() if n == 1}
     assert len(empty) == 1 and len(ones) == 1 and empty != ones, (empty, ones)
+
+
+def test_a_lock_whose_models_no_one_shared_says_so_before_training(tmp_path):
+    """A clone whose committed dvc.lock names models this machine cannot have (trained elsewhere,
+    never shared): DVC prints "Unable to pull" and trains again; train says why first. Not when
+    the lock is another run's (other params), where training is what anyone expects."""
+    repo = copy_repo(tmp_path / "repo", {"epochs": "2", "model.width": "8"})
+    first = run(["dvc", "repro"], repo)
+    assert "no copy of what dvc.lock names" not in first.stdout  # main's lock: other params
+    run(["git", "commit", "-qam", "a run"], repo)
+    shutil.rmtree(repo / ".dvc/cache")  # as on another machine: the lock, and nothing it names
+    for out in ("data/prepared", "models/train/model.pt", "models/export"):
+        shutil.rmtree(repo / out) if (repo / out).is_dir() else (repo / out).unlink()
+    again = run(["dvc", "repro"], repo).stdout
+    note = "train: no copy of what dvc.lock names for these params and code (models/train/"
+    assert note in again and again.index(note) < again.index("trained cnn"), again
+    assert "and 3 more) is here or on a DVC remote" in again
+    assert again.count("no copy of what dvc.lock names") == 1

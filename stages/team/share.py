@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from ruamel.yaml import YAML
 
@@ -230,6 +231,42 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
         raise UploadError(sum(r.levelno >= logging.ERROR for r in problems) - errors)
     return (f"pushed the run-cache ({len(entries)} entries) and {len(result.transferred)} more "
             f"files it needs ({len(objects)} outputs named in it)")
+
+
+def unrestored(stage: str) -> str | None:
+    """Why DVC runs `stage` although dvc.lock names its outputs for these very params and code:
+    this machine has no copy of them and DVC found none on a remote (`dvc exp run --pull` said
+    "Unable to pull data"; DVC then reruns and never looks at the run-cache, which may hold this
+    machine's own run). One line before minutes of work, or None when the lock is another run's
+    or its outputs are cached here."""
+    from omegaconf import OmegaConf
+
+    from stages.lib.files import file_hash
+
+    try:
+        lock = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"][stage]
+        params = OmegaConf.to_container(OmegaConf.load("params.yaml"))
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    if any(params.get(k) != v for k, v in lock.get("params", {}).get("params.yaml", {}).items()):
+        return None  # other params: the lock names another run's outputs
+    for dep in lock.get("deps", []):
+        path = Path(dep["path"])
+        if path.is_file() and file_hash(path, "md5") != dep.get("md5"):
+            return None  # other code: the same
+    from dvc.repo import Repo
+
+    with Repo() as repo:
+        missing = [o["path"] for o in lock.get("outs", [])
+                   if o.get("md5") and not repo.cache.local.exists(o["md5"])]
+    if not missing:
+        return None
+    named = missing[0] + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+    return (f"{stage}: no copy of what dvc.lock names for these params and code ({named}) is "
+            "here or on a DVC remote this machine pulled from: dvc.lock was committed on another "
+            "machine that did not `make share` it (or on another CPU, whose results differ in "
+            f"their last bits); running {stage} again. To restore instead: `make share` where "
+            "dvc.lock was made, or commit this machine's dvc.lock after its `make share`")
 
 
 if __name__ == "__main__":
