@@ -7,6 +7,7 @@ its artifact bucket. A workspace of a few small files and a one-stage `dvc.yaml`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from stages.team.s3 import S3, start, stop, weed
-from tests.conftest import ROOT, run
+from tests.conftest import ROOT, VENV_BIN, env_with, run
 from tests.support.services import free_port, s3, s3_client_env, server_env  # noqa: F401 - the fixture
 
 
@@ -344,3 +345,50 @@ def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_pat
     finally:
         stop(server)
     assert not server.tmp.exists() and server.tmp.parent == tmp_path / "s3"
+
+
+@pytest.mark.parametrize(("sig", "to"), [(signal.SIGTERM, "make"), (signal.SIGTERM, "python"),
+                                         (signal.SIGHUP, "group")])
+def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_path, sig, to):
+    """SIGTERM to make (which passes it on to its command), to `python -m stages.team.s3`
+    alone, or SIGHUP to the whole group (a closed terminal): SeaweedFS stops too, where it
+    served on, an orphan holding the port, and the stop is clean: no `make: ***` line, and make
+    ends as the signal ended it, or 0 when only its command got one. In `ps` and to `pgrep`
+    SeaweedFS is `weed`, not `/proc/self/fd/3` with the command name `3`."""
+    import psutil
+
+    for name in ("Makefile", "requirements.lock"):  # `make s3` makes its .s3/ here
+        shutil.copy2(ROOT / name, tmp_path / name)
+    port = free_port()
+    proc = subprocess.Popen(["make", "-s", "s3", f"S3_PORT={port}", f"VENV={VENV_BIN.parent}"],
+                            cwd=tmp_path, env=env_with(PYTHONPATH=str(ROOT)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group, as a terminal runs it
+    servers = []
+    try:
+        lines = []
+        for line in proc.stdout:  # make ends only when stopped: the loop ends at the keys
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        assert lines and "Ctrl-C stops it" in lines[-1], "".join(lines) + proc.stderr.read()
+        (python,) = psutil.Process(proc.pid).children()
+        servers = python.children()
+        assert [(p.name(), Path(p.cmdline()[0]).name) for p in servers] == [("weed", "weed")], \
+            [p.cmdline()[:3] for p in servers]
+        if to == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid if to == "make" else python.pid, sig)
+        out, err = proc.communicate(timeout=60)
+        assert "make: ***" not in err and "Traceback" not in err, err
+        assert proc.returncode == (0 if to == "python" else -sig), (proc.returncode, err)
+        gone, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+        assert not [c for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert not list((tmp_path / ".s3").glob("weed-tmp-*"))  # its private /tmp, removed
+    finally:
+        for p in [proc, *servers]:  # an orphaned weed is in a session of its own
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()

@@ -149,6 +149,21 @@ def exit_now() -> typing.NoReturn:
     os._exit(code)
 
 
+def stop_on_signals() -> None:
+    """SIGTERM (`kill`, systemd, or make passing its own on) and SIGHUP (a closed terminal) stop
+    a long-running command as Ctrl-C does: a KeyboardInterrupt, so that its `finally` stops the
+    servers it started in sessions of their own, which Python's default death would leave
+    running. Only the first: `kill` of make's whole group reaches this process twice (make
+    passes its SIGTERM on), and the second would cut the first one's clean-up short."""
+    def interrupt(signum, frame) -> None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line, like every other error (exit code 2)."""
 

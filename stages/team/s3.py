@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage, stop_on_signals
 from stages.lib.errors import UserError
 from stages.lib.ports import free_ports
 
@@ -38,11 +38,13 @@ STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
 # another user could have planted a file first. It runs with a /tmp of its own instead: a new
 # 0700 folder in `start`'s folder, mounted over /tmp in a mount namespace of its own.
 # In that namespace ($0 `start`'s folder, $1 that new folder, $2 weed): the folder also at $1/w,
-# so that it stays reachable, as /tmp/w, when it is itself under /tmp; $1 over /tmp; weed from
-# an fd opened before (its path may be under /tmp too: a checkout there), in /tmp/w, where its
-# relative paths and its working directory resolve.
-PRIVATE_TMP = ('exec 3<"$2" && mount --bind "$0" "$1/w" && mount --rbind "$1" /tmp && cd /tmp/w '
-               '&& shift 2 && exec /proc/self/fd/3 "$@"')
+# so that it stays reachable, as /tmp/w, when it is itself under /tmp; weed also at $1/weed (its
+# path may be under /tmp too: a checkout there); $1 over /tmp; weed run as /tmp/weed, named by
+# its own path (bash's `exec -a`), so that `ps` and `pgrep weed` find it as they would without
+# the namespace (run from an fd, it was `/proc/self/fd/3`, command name `3`); in /tmp/w, where
+# its relative paths and its working directory resolve.
+PRIVATE_TMP = (': > "$1/weed" && mount --bind "$2" "$1/weed" && mount --bind "$0" "$1/w" '
+               '&& mount --rbind "$1" /tmp && cd /tmp/w && exec -a "$2" /tmp/weed "${@:3}"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,20 +173,23 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
                             env=os.environ | {"TMPDIR": "/tmp"}, start_new_session=True)
     s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
             secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca)
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            stop(s3)
-            said = (folder / "logs" / "weed.out").read_text(errors="replace").strip()
-            raise UserError(f"the S3 server stopped at start (exit {proc.returncode}: "
-                            f"{said.splitlines()[-1][-300:] if said else 'no output'}); see "
-                            f"{folder / 'logs' / 'weed.out'}")
-        time.sleep(0.3)
-        if answers(s3):
-            return s3
-    stop(s3)
-    raise UserError(f"the S3 server did not answer on {s3.endpoint} within {START_S:.0f} s; see "
-                    f"{folder / 'logs' / 'weed.out'}")
+    try:
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                said = (folder / "logs" / "weed.out").read_text(errors="replace").strip()
+                raise UserError(f"the S3 server stopped at start (exit {proc.returncode}: "
+                                f"{said.splitlines()[-1][-300:] if said else 'no output'}); see "
+                                f"{folder / 'logs' / 'weed.out'}")
+            time.sleep(0.3)
+            if answers(s3):
+                return s3
+        raise UserError(f"the S3 server did not answer on {s3.endpoint} within {START_S:.0f} s; "
+                        f"see {folder / 'logs' / 'weed.out'}")
+    except BaseException:
+        # Also Ctrl-C or SIGTERM while it starts: in a session of its own, weed outlived them.
+        stop(s3)
+        raise
 
 
 def answers(s3: S3) -> bool:
@@ -214,8 +219,8 @@ def with_private_tmp(binary: str, args: list[str], folder: Path, tmp: Path) -> l
     unshare = shutil.which("unshare")
     ns = [unshare, "--map-root-user", "--mount"] if unshare else []
     if ns and subprocess.run([*ns, "true"], capture_output=True).returncode == 0:
-        return [*ns, "sh", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()), binary,
-                *args]
+        return [*ns, "bash", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()),
+                binary, *args]
     return [binary, *args]
 
 
@@ -239,7 +244,14 @@ def main() -> None:
     ap.add_argument("--bucket", default="reprotrain")
     ap.add_argument("--tls", action="store_true", help="HTTPS, with a certificate from a private CA")
     a = ap.parse_args()
-    s3 = start(a.dir, a.port, (a.bucket,), tls=a.tls)
+    # weed runs in a session of its own (a terminal's Ctrl-C reaches this process alone), so
+    # only this process stops it: SIGTERM and SIGHUP too, where Python's default death left
+    # weed running, an orphan holding the port.
+    stop_on_signals()
+    try:
+        s3 = start(a.dir, a.port, (a.bucket,), tls=a.tls)
+    except KeyboardInterrupt:  # stopped while it started; `start` stopped weed
+        return
     print(f"S3 (SeaweedFS) on {s3.endpoint}, bucket {a.bucket}, data in {a.dir}/; Ctrl-C stops it.\n"
           f"Its keys (in {a.dir}/identities.json, never committed), for DVC:\n"
           f"  dvc remote add -d team s3://{a.bucket}/dvc\n"
@@ -253,7 +265,7 @@ def main() -> None:
           + (f" AWS_CA_BUNDLE={s3.ca.resolve()}" if s3.ca else ""), flush=True)
     try:
         s3.proc.wait()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
         pass
     finally:
         stop(s3)
