@@ -20,6 +20,11 @@ from tests.support.services import free_port
 from tests.support.workspaces import closed_port
 
 
+def log_of(line: str) -> Path:
+    """The log named in `make ui`'s first line."""
+    return Path(line.split("its log: ", 1)[1].split(")", 1)[0])
+
+
 def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_uri):
     """No address before the server answers (one opened early is an error page), then the
     home and the runs table at once; its log in a private folder, never through a symlink
@@ -58,7 +63,7 @@ def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_
         assert times[2] - times[1] < 2, "the runs table's address came late"
         with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
             assert r.status == 200
-        log = Path(lines[0].split("its log: ", 1)[1].rstrip(")"))
+        log = log_of(lines[0])
         assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
         assert victim.read_text() == "untouched\n" and planted.is_symlink()
     finally:
@@ -119,6 +124,9 @@ def test_a_store_s_password_is_on_no_command_line_and_in_no_message(tmp_path):
         # against a store that does not answer, no longer keeps the process.
         out = proc.communicate(timeout=60)[0]
         assert secret not in out and "did not start" in out, out
+        # A failed start keeps its log, named in the error: it says why.
+        assert (log := Path(out.rsplit("its log: ", 1)[1].strip())).is_file(), out
+        shutil.rmtree(log.parent)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,7 +135,7 @@ def test_a_store_s_password_is_on_no_command_line_and_in_no_message(tmp_path):
 
 def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
     """Also: its last line is the runs table's address, printed once the server answers, and
-    SIGTERM to make ends every server process."""
+    SIGTERM to make's group ends every server process, a clean stop that leaves no log."""
     import psutil
 
     port = closed_port()
@@ -156,9 +164,17 @@ def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 403
+        os.killpg(proc.pid, signal.SIGTERM)  # as `kill -- -PGID` or systemd stops a service
+        rest = proc.communicate(timeout=30)[0]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+    # A clean stop: make ends as the signal ended it but reports no error (its command exits 0;
+    # it was `make: *** [Makefile:..: ui] Error 143`), and the log's private folder is gone.
+    assert proc.returncode == -signal.SIGTERM and "make: ***" not in rest, rest
+    assert rest.strip() == "stopping the MLflow UI", rest
+    assert not log_of(lines[0]).parent.exists(), lines[0]
     deadline = time.time() + 15
     while any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
               for c in psutil.net_connections("tcp")):
@@ -171,3 +187,34 @@ def test_make_ui_binds_loopback_and_rejects_foreign_hosts(tmp_path):
                    " ".join(p.info["cmdline"] or [])]:
         assert time.time() < deadline + 10, f"the UI server outlived make ui: {left}"
         time.sleep(0.5)
+
+
+def test_a_stop_while_the_ui_starts_is_clean_and_leaves_nothing(tmp_path):
+    """SIGTERM to make (which passes it on) before the server answers: the server's group ends,
+    no `make: ***` line nor traceback (it was `RuntimeError: generator didn't yield` after Ctrl-C),
+    and no log folder is left in $TMPDIR."""
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen(["make", "-s", "ui", f"UI_PORT={port}"], cwd=ROOT,
+                            env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("starting the MLflow UI"), first
+        (command,) = psutil.Process(proc.pid).children()
+        deadline = time.monotonic() + 10
+        while not (servers := command.children(recursive=True)):  # started just after the line
+            assert time.monotonic() < deadline, "the UI server did not start"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)  # make alone, as `kill PID` does
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM and rest.strip() == "stopping the MLflow UI", rest
+    gone, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert not log_of(first).parent.exists(), first

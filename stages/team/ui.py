@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,12 +23,12 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from stages import tracking
 from stages.config import load_params
-from stages.lib.cli import ArgumentParser, positive_int, run_stage
+from stages.lib.cli import ArgumentParser, positive_int, run_stage, stop_on_signals
 from stages.lib.errors import UserError
 from stages.lib.redact import masked
 
@@ -89,9 +90,11 @@ def _parent_is_make() -> bool:
 @contextmanager
 def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: str,
             timeout: int, hint: str) -> Iterator[subprocess.Popen]:
-    """`cmd` in its own process group with its output in `log` (a new file in a private
-    folder); yields once `health` answers. Ctrl-C, SIGTERM, a closed terminal, an error or this
-    process's death end the whole group; `hint` says what to do when it never answers."""
+    """`cmd` in its own process group with its output in `log` (a new file in a folder of
+    `private_folder`'s); yields once `health` answers. Ctrl-C, SIGTERM, a closed terminal, an
+    error or this process's death end the whole group; `hint` says what to do when it never
+    answers. The first three are a clean stop: exit 0, and the log's folder removed (a server
+    that failed or died keeps it: the message names the log, which says why)."""
     if _parent_is_make():
         # `kill -9` of make leaves this process nobody's, and the server with it, holding the
         # port. Another parent (a shell under nohup, systemd, pytest) may end while it serves.
@@ -102,8 +105,8 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
                                   start_new_session=True,
                                   preexec_fn=lambda: _die_with_parent(parent))
     # `kill` or a closed terminal: still end the server's group, which has its own session.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(128 + signal.SIGHUP))
+    stop_on_signals()
+    ready = asked = False
     try:
         deadline = time.monotonic() + timeout
         while not answers(health):
@@ -111,11 +114,18 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
                 # The log's last lines may name the store, its password too.
                 raise UserError(masked(f"the {name} did not start ({last_lines(log)}); {hint}"))
             time.sleep(0.1)
+        ready = True
         yield server
     except KeyboardInterrupt:
-        print(f"stopping the {name}", file=sys.stderr)
+        asked = True
+        with suppress(OSError):  # stderr may be a terminal that is gone (SIGHUP)
+            print(f"stopping the {name}", file=sys.stderr)
     finally:
         stop(server)
+    if asked:  # nothing went wrong: its log would only pile up in $TMPDIR
+        shutil.rmtree(log.parent, ignore_errors=True)
+        if not ready:  # stopped while it started: returning without a yield is a RuntimeError
+            sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
