@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import secrets
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -514,6 +515,7 @@ def test_the_server_lives_and_dies_with_its_command(postgres, tmp_path):  # noqa
         gone, alive = psutil.wait_procs(children, timeout=60)
         assert not alive, [p.cmdline() for p in alive]
         assert not ini.exists() or old_pw not in ini.read_text()
+        shutil.rmtree(log.parent)  # SIGKILL left no chance to remove it
 
         second, out = start_own_server(db, tmp_path / "s", port, new_pw)
         procs.append(second)
@@ -529,13 +531,43 @@ def test_the_server_lives_and_dies_with_its_command(postgres, tmp_path):  # noqa
         lines = out.read_text().strip().splitlines()
         assert second.returncode == 1, lines
         assert lines[-1].startswith("error: the MLflow server stopped by itself (killed by SIGKILL")
-        assert f"its log: {out.read_text().split('(its log: ')[-1].split(')')[0]}" in lines[-1]
+        second_log = Path(out.read_text().split('(its log: ')[-1].split(')')[0])
+        assert f"its log: {second_log}" in lines[-1]
+        assert second_log.is_file()  # kept: it says why the server died
+        shutil.rmtree(second_log.parent)
     finally:
         planted.unlink(missing_ok=True)
         for proc in procs:
             for p in [proc, *psutil.Process(proc.pid).children(recursive=True)] if \
                     proc.poll() is None else []:
                 p.kill()
+
+
+def test_sigterm_is_a_clean_stop_that_leaves_no_log_folder(postgres, tmp_path):  # noqa: F811
+    """SIGTERM, as systemd (or make, passing its own on) stops the server: it and its workers
+    stop, the command exits 0 (it was 143: `make: *** [Makefile:NNN: server] Error 143`), and
+    the private folder of its log and basic-auth's configuration is gone from $TMPDIR."""
+    import psutil
+
+    from tests.support.services import free_port
+
+    db = create_database(postgres, f"stop_{secrets.token_hex(4)}")
+    proc, out = start_own_server(db, tmp_path, free_port(), f"pw-{secrets.token_hex(12)}")
+    try:
+        log = Path(out.read_text().split("(its log: ", 1)[1].split(")", 1)[0])
+        assert log.is_file()
+        servers = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its server gets SIGTERM from the kernel (PR_SET_PDEATHSIG)
+            proc.wait()
+    assert proc.returncode == 0, out.read_text()
+    assert out.read_text().strip().splitlines()[-1] == "stopping the MLflow server"
+    gone, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert not log.parent.exists(), sorted(log.parent.iterdir())
 
 
 def test_a_restart_names_a_member_who_took_a_name_and_a_deleted_experiment(postgres, tmp_path):  # noqa: F811

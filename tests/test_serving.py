@@ -123,6 +123,11 @@ def serving(w: Path, env: dict, port: int | None = None) -> Iterator[dict]:
             proc.wait(timeout=30)
 
 
+def log_of(line: str) -> Path:
+    """The log named in `make serve`'s first line."""
+    return Path(line.split("(its log: ", 1)[1].split(")", 1)[0])
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -840,7 +845,7 @@ def test_the_log_is_private(server):
     """Root writing its log through a symlink another user planted at /tmp/NAME-PORT.log would
     overwrite what it points at: the log is in a new 0700 folder."""
     assert server["victim"].read_text() == "untouched\n" and server["planted"].is_symlink()
-    log = Path(server["out"][0].split("(its log: ", 1)[1].split(")", 1)[0])
+    log = log_of(server["out"][0])
     assert log.is_file() and log.parent.stat().st_mode & 0o777 == 0o700
 
 
@@ -853,6 +858,7 @@ def test_ctrl_c_stops_the_server_and_it_restarts_on_its_port_at_once(server, cha
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the foreground group
     proc.wait(timeout=30)
     assert "stopping the model server" in proc.stderr.read()
+    assert not log_of(server["out"][0]).parent.exists()  # a clean stop leaves no log folder
     time.sleep(0.5)
     with pytest.raises(OSError):
         post(server["base"], {"inputs": [b64(SAMPLE)]})
@@ -861,6 +867,21 @@ def test_ctrl_c_stops_the_server_and_it_restarts_on_its_port_at_once(server, cha
     with serving(*champion, port) as again:
         status, body = post(again["base"], {"inputs": [b64(SAMPLE)]})
         assert status == 200 and len(body["predictions"]) == 1, body
+
+
+def test_sigterm_to_make_serve_is_a_clean_stop_that_leaves_no_log(champion):
+    """`kill` of make (which passes SIGTERM on to its command), as a service manager stops it:
+    the server stops, make reports no error (it printed `make: *** [Makefile:113: serve] Error
+    143`), and the log's private folder is gone from $TMPDIR."""
+    with serving(*champion) as s:
+        proc, log = s["proc"], log_of(s["out"][0])
+        assert log.is_file()
+        os.kill(proc.pid, signal.SIGTERM)  # make alone
+        err = proc.communicate(timeout=30)[1]
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err)
+    assert err.strip() == "stopping the model server", err
+    assert not log.parent.exists()
+    assert not [cmd for cmd in command_lines().values() if f"--port\0{s['port']}\0".encode() in cmd]
 
 
 def test_a_port_another_server_listens_on_is_one_line(champion):
