@@ -246,7 +246,9 @@ def serve(name: str, work: Path, args) -> None:
     if not port_free(args.port):
         raise UserError(f"port {args.port} on 127.0.0.1 is taken; `make serve PORT={args.port + 1}`")
     base = f"http://127.0.0.1:{args.port}"
-    log = private_folder("serve") / "serve.log"  # kept after `work` goes: it says why it failed
+    # Not in `work`: a server that failed keeps its log, which says why (`started` removes it
+    # after a clean stop).
+    log = private_folder("serve") / "serve.log"
     print(f"serving {what} on {base} (its log: {log})", flush=True)
     with started("model server", serve_command(files, args.port), server_env(), log,
                  f"{base}/ping", args.timeout, f"its log: {log}") as server:
