@@ -248,27 +248,26 @@ def main() -> None:
     # only this process stops it: SIGTERM and SIGHUP too, where Python's default death left
     # weed running, an orphan holding the port.
     stop_on_signals()
-    try:
-        s3 = start(a.dir, a.port, (a.bucket,), tls=a.tls)
-    except KeyboardInterrupt:  # stopped while it started; `start` stopped weed
-        return
-    print(f"S3 (SeaweedFS) on {s3.endpoint}, bucket {a.bucket}, data in {a.dir}/; Ctrl-C stops it.\n"
-          f"Its keys (in {a.dir}/identities.json, never committed), for DVC:\n"
-          f"  dvc remote add -d team s3://{a.bucket}/dvc\n"
-          f"  dvc remote modify team endpointurl {s3.endpoint}\n"
-          f"  dvc remote modify --local team access_key_id {s3.access_key}\n"
-          f"  dvc remote modify --local team secret_access_key {s3.secret_key}\n"
-          + (f"  dvc remote modify --local team ssl_verify {s3.ca.resolve()}\n" if s3.ca else "")
-          + f"and for `make server ARTIFACTS=s3://{a.bucket}/mlflow` (the server alone holds them):\n"
-          f"  export MLFLOW_S3_ENDPOINT_URL={s3.endpoint} AWS_ACCESS_KEY_ID={s3.access_key} "
-          f"AWS_SECRET_ACCESS_KEY={s3.secret_key}"
-          + (f" AWS_CA_BUNDLE={s3.ca.resolve()}" if s3.ca else ""), flush=True)
-    try:
+    s3 = None
+    try:  # one block from the start: a signal between two would skip the `finally`
+        s3 = start(a.dir, a.port, (a.bucket,), tls=a.tls)  # stops weed if interrupted
+        print(f"S3 (SeaweedFS) on {s3.endpoint}, bucket {a.bucket}, data in {a.dir}/; Ctrl-C stops it.\n"
+              f"Its keys (in {a.dir}/identities.json, never committed), for DVC:\n"
+              f"  dvc remote add -d team s3://{a.bucket}/dvc\n"
+              f"  dvc remote modify team endpointurl {s3.endpoint}\n"
+              f"  dvc remote modify --local team access_key_id {s3.access_key}\n"
+              f"  dvc remote modify --local team secret_access_key {s3.secret_key}\n"
+              + (f"  dvc remote modify --local team ssl_verify {s3.ca.resolve()}\n" if s3.ca else "")
+              + f"and for `make server ARTIFACTS=s3://{a.bucket}/mlflow` (the server alone holds them):\n"
+              f"  export MLFLOW_S3_ENDPOINT_URL={s3.endpoint} AWS_ACCESS_KEY_ID={s3.access_key} "
+              f"AWS_SECRET_ACCESS_KEY={s3.secret_key}"
+              + (f" AWS_CA_BUNDLE={s3.ca.resolve()}" if s3.ca else ""), flush=True)
         s3.proc.wait()
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
         pass
     finally:
-        stop(s3)
+        if s3 is not None:
+            stop(s3)
 
 
 if __name__ == "__main__":

@@ -100,14 +100,16 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
         # port. Another parent (a shell under nohup, systemd, pytest) may end while it serves.
         _die_with_parent(os.getppid())
     parent = os.getpid()
-    with open(log, "x") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True,
-                                  preexec_fn=lambda: _die_with_parent(parent))
     # `kill` or a closed terminal: still end the server's group, which has its own session.
+    # Before it starts: one that comes meanwhile is a clean stop too (the server, if it was
+    # just forked, gets SIGTERM from the kernel as this process ends: _die_with_parent).
     stop_on_signals()
-    ready = asked = False
+    server, ready, asked = None, False, False
     try:
+        with open(log, "x") as out:
+            server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True,
+                                      preexec_fn=lambda: _die_with_parent(parent))
         deadline = time.monotonic() + timeout
         while not answers(health):
             if server.poll() is not None or time.monotonic() > deadline:
@@ -121,7 +123,8 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
         with suppress(OSError):  # stderr may be a terminal that is gone (SIGHUP)
             print(f"stopping the {name}", file=sys.stderr)
     finally:
-        stop(server)
+        if server is not None:
+            stop(server)
     if asked:  # nothing went wrong: its log would only pile up in $TMPDIR
         shutil.rmtree(log.parent, ignore_errors=True)
         if not ready:  # stopped while it started: returning without a yield is a RuntimeError
