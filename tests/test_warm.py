@@ -190,3 +190,62 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
     while sock.exists() or sock.with_suffix(".pid").exists():  # it takes its files with it
         assert time.time() < deadline
         time.sleep(0.1)
+
+
+# A params stage that reports what its process inherited, as a user's own code in a stage would
+# see it: the variables the warm process's imports set, its seeds, flags and name.
+PROBE = '''
+import importlib, json, os, sys
+from stages.lib.warm import PRELOAD, in_warm_child
+for name in PRELOAD:  # a cold process imports what the warm one has: both then set the same
+    importlib.import_module(name)
+import torch
+print("probe:" + json.dumps({
+    "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "KMP_",
+                                                                    "_MLFLOW_TELEMETRY"))},
+    "seed": torch.initial_seed(), "rand": torch.rand(1).item(), "safe_path": sys.flags.safe_path,
+    "comm": open("/proc/self/comm").read().strip(), "warm": in_warm_child()}))
+'''
+
+
+@pytest.fixture(scope="module")
+def probe_repo(tmp_path_factory) -> tuple[Path, dict]:
+    """A checkout whose params stage is PROBE, and an environment of its own: its warm process
+    serves only this module's tests."""
+    repo = copy_repo(tmp_path_factory.mktemp("probe") / "repo")
+    params = repo / "stages/params.py"
+    params.write_text(params.read_text().replace('if __name__ == "__main__":',
+                                                 f'{PROBE}\nif __name__ == "__main__":'))
+    return repo, env_with(WARM_TEST_RUN=uuid.uuid4().hex)
+
+
+def probe(repo: Path, env: dict, warm_: bool = True) -> dict:
+    out = run([sys.executable, "-m", "stages.params"], repo,
+              {**env, "REPROTRAIN_WARM": "1" if warm_ else "0"}).stdout
+    return json.loads(out.split("probe:")[1].splitlines()[0])
+
+
+def short_tmp() -> Path:
+    """A folder whose path fits a socket's (pytest's own are too long for the warm folder's)."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp())
+
+
+def test_a_warm_stage_derives_what_imports_set_from_its_own_callers_temp_folder(probe_repo):
+    # Issue 42.1: the warm process's imports set TORCHINDUCTOR_CACHE_DIR from its first caller's
+    # TMPDIR, and a later caller's warm export failed once that folder was gone.
+    repo, env = probe_repo
+    first, later = short_tmp(), short_tmp()
+    try:
+        sock = warmed(repo, env_with(**env, TMPDIR=str(first)))
+        shutil.rmtree(first)
+        first.write_text("no longer a folder")
+        warm_, cold = (probe(repo, env_with(**env, TMPDIR=str(later)), w) for w in (True, False))
+        assert serving(sock) and warm_["warm"] and not cold["warm"]
+        assert warm_["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(f"{later}/")
+        assert {k: v for k, v in warm_["env"].items() if k != "_MLFLOW_TELEMETRY_SESSION_ID"} \
+            == {k: v for k, v in cold["env"].items() if k != "_MLFLOW_TELEMETRY_SESSION_ID"}
+    finally:
+        first.unlink(missing_ok=True)
+        shutil.rmtree(later)

@@ -31,6 +31,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -209,6 +210,8 @@ def start(path: Path) -> None:
         with contextlib.suppress(OSError):
             if old.suffix in (".log", ".seen") and time.time() - old.stat().st_mtime > 86400:
                 old.unlink()
+            elif old.suffix == ".tmp" and time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old)  # left by a warm process killed with SIGKILL
     log = os.fdopen(os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
                             | os.O_NOFOLLOW, 0o600), "ab")
     with log:
@@ -230,6 +233,12 @@ def serve(path: Path) -> None:
     started = time.monotonic()
     # CUDA cannot cross a fork: an import that asks whether there is a GPU asks NVML instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # The imports get a temp folder of this process's own, not its first caller's (TMPDIR is no
+    # part of the key): what they derive from it (Inductor's cache folder) a child gets with
+    # its caller's temp folder in this one's place, as a cold import would have derived it.
+    own_tmp = path.with_suffix(".tmp")
+    own_tmp.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TMPDIR"] = str(own_tmp)
     before = dict(os.environ)
     for name in PRELOAD:
         try:
@@ -267,7 +276,7 @@ def serve(path: Path) -> None:
                 for sig in (signal.SIGCHLD, signal.SIGTERM):
                     signal.signal(sig, signal.SIG_DFL)
                 try:
-                    run_for(conn, set_by_imports)
+                    run_for(conn, set_by_imports, str(own_tmp))
                 except BaseException:
                     sys.excepthook(*sys.exc_info())  # into the log
                 finally:
@@ -280,9 +289,10 @@ def serve(path: Path) -> None:
                 path.unlink()
         for suffix in (".seen", ".pid", ".lock"):  # the log stays: a line per start
             path.with_suffix(suffix).unlink(missing_ok=True)
+        shutil.rmtree(own_tmp, ignore_errors=True)
 
 
-def run_for(conn: socket.socket, set_by_imports: dict[str, str]) -> None:
+def run_for(conn: socket.socket, set_by_imports: dict[str, str], tmp: str) -> None:
     """In a fork per caller: the stage in a child of its own, its signals forwarded, its status
     sent back; the stage is killed with its process group if the caller goes."""
     if not same_user(conn):
@@ -302,7 +312,7 @@ def run_for(conn: socket.socket, set_by_imports: dict[str, str]) -> None:
     pid = os.fork()
     if pid == 0:
         conn.close()
-        stage(request, fds, set_by_imports, parent)
+        stage(request, fds, set_by_imports, tmp, parent)
     try:
         with contextlib.suppress(OSError):  # its own group from the start, whichever runs first
             os.setpgid(pid, pid)
@@ -329,7 +339,8 @@ def run_for(conn: socket.socket, set_by_imports: dict[str, str]) -> None:
         raise
 
 
-def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], parent: int) -> None:
+def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: str,
+          parent: int) -> None:
     """The stage, as `python -m module` would run it in the caller's place; never returns."""
     import ctypes
 
@@ -354,10 +365,11 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], parent:
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for k, v in set_by_imports.items():
-        os.environ.setdefault(k, v)
-    sys.path[:] = request["path"]
     tempfile.tempdir = None  # found again from the caller's TMPDIR
+    callers_tmp = tempfile.gettempdir()
+    for k, v in set_by_imports.items():
+        os.environ.setdefault(k, v.replace(tmp, callers_tmp))
+    sys.path[:] = request["path"]
     sys.argv[:] = ["-m", *request["argv"]]
     for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
         signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else
