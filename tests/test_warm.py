@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stages.lib import warm
-from tests.conftest import ROOT, copy_repo, env_with, run
+from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run
 from tests.support.workspaces import interruptible, one_error_line, wait_for_checkpoint, workspace
 
 TINY = {"epochs": "3", "model.width": "8"}
@@ -249,3 +249,17 @@ def test_a_warm_stage_derives_what_imports_set_from_its_own_callers_temp_folder(
     finally:
         first.unlink(missing_ok=True)
         shutil.rmtree(later)
+
+
+def test_shell_prompts_and_an_activated_venv_share_the_warm_process_of_make_and_dvc(tmp_path):
+    # Issue 42.7 / 41.7: `make repro` and then `dvc exp run` in an activated venv started two.
+    env = env_with()
+    plain = socket_of(ROOT, env)
+    activated = run(["bash", "-c", f'. "{VENV_BIN}/activate" && export PS1 && python -c '
+                     '"from stages.lib.warm import socket_path; print(socket_path())"'],
+                    ROOT, env).stdout.strip()
+    (tmp_path / "Makefile").write_text(
+        f"all:\n\t@cd {ROOT} && python -c 'from stages.lib.warm import socket_path; "
+        "print(socket_path())'\n")
+    made = run(["make", "-s", "-C", str(tmp_path)], ROOT, env).stdout.strip()
+    assert activated == made == str(plain)

@@ -62,6 +62,9 @@ IDLE_S = 300.0
 RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELERY_", "SLURM_",
                  "AWS_", "PG", "PYTEST_", "MLFLOW_", "_MLFLOW_", "PATH", "TMPDIR", "TEMP", "TMP",
                  "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
+                 # a shell's prompt and an activated venv's marks (`. .venv/bin/activate`): no
+                 # library reads them, and make/DVC and the user's shell differ in them
+                 "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND", "VIRTUAL_ENV", "_OLD_VIRTUAL_",
                  # set by a stage for the processes it starts; read by CUDA and Inductor when used
                  "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR")
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
