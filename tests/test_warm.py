@@ -263,3 +263,17 @@ def test_shell_prompts_and_an_activated_venv_share_the_warm_process_of_make_and_
         "print(socket_path())'\n")
     made = run(["make", "-s", "-C", str(tmp_path)], ROOT, env).stdout.strip()
     assert activated == made == str(plain)
+
+
+def test_a_warm_process_ends_soon_after_its_checkout_is_deleted(tmp_path):
+    # Issue 41.7: a sweep worker's warm process outlived its deleted clone by 5 minutes.
+    repo = copy_repo(tmp_path / "repo")
+    sock = warmed(repo, env_with(WARM_TEST_RUN=uuid.uuid4().hex))
+    pid = int(sock.with_suffix(".pid").read_text())
+    shutil.rmtree(repo)
+    deadline = time.time() + 30
+    while Path(f"/proc/{pid}").exists() and str(sock).encode() in \
+            Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.time() < deadline, "the warm process outlived its checkout"
+        time.sleep(0.2)
+    assert not sock.exists()

@@ -16,8 +16,9 @@ the caller's checkout, so an edited stage runs as edited. A warm process serves 
 that would have imported those libraries alike: the same interpreter and installed packages,
 this file, user, namespaces, cgroup, CPU affinity, resource limits and environment (less the
 variables that name a run: DVC's, MLflow's tracking URI and logins, S3 keys, SLURM's). Any
-difference starts another. It exits after IDLE_S seconds without a caller. `REPROTRAIN_WARM=0`
-turns it off; distributed workers (torchrun's) always run cold.
+difference starts another. It exits after IDLE_S seconds without a caller, or once the checkout
+it runs from is gone. `REPROTRAIN_WARM=0` turns it off; distributed workers (torchrun's) always
+run cold.
 
 Standard library only, and run as a script (`python -P warm.py serve ...`), so that the warm
 process holds no module of the checkout that happened to start it.
@@ -70,6 +71,8 @@ RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELER
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
+# How often an idle warm process checks that the checkout it runs from is still there.
+TICK_S = 5.0
 HEADER = struct.Struct("!I")
 
 
@@ -270,8 +273,16 @@ def serve(path: Path) -> None:
           flush=True)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill`: the files go too
+    last = time.monotonic()
     try:
-        while select.select([server], [], [], IDLE_S)[0]:
+        while True:
+            if not select.select([server], [], [], TICK_S)[0]:
+                # Idle; or the checkout it runs from was deleted (a sweep worker's clone):
+                # nothing there can call it again.
+                if time.monotonic() - last > IDLE_S or not os.path.exists(__file__):
+                    break
+                continue
+            last = time.monotonic()
             conn, _ = server.accept()
             if os.fork() == 0:
                 server.close()
