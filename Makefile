@@ -86,16 +86,9 @@ sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow
 # --durations: the slowest tests, to see where the suite's minutes go.
 TEST_WORKERS ?= 2
 # The warm processes the suite's pipelines started (stages/lib/warm.py) end with it, not 5
-# idle minutes later: each writes its pid beside its socket (a stage it runs has none). A pid
-# is killed only while its process still serves that socket: a pid file left by a killed warm
-# process may name a pid the system has since given to another.
-WARM := $(abspath $(VENV))/var/reprotrain-warm
+# idle minutes later: the test session stops them itself (tests/conftest.py), and only them.
 test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
-	status=0; $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		--durations=20 || status=$$?; \
-	for f in $(WARM)/*.pid; do pid=$$(cat "$$f" 2>/dev/null) || continue; \
-		grep -qsaF "$${f%.pid}.sock" /proc/$$pid/cmdline && kill $$pid || true; done; \
-	exit $$status
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)

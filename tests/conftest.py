@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -349,10 +350,40 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds[name] = _seconds.get(name, 0.0) + report.duration
 
 
+# The warm processes this session's tests start (stages/lib/warm.py) end with it, not 5 idle
+# minutes later; a user's own, in the same venv, serve on. Every process a test starts inherits
+# this session's mark (env_with copies os.environ), and so does a warm process it starts.
+WARM_MARK = "REPROTRAIN_TEST_SESSION"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # xdist's workers inherit the controller's
+        import uuid
+
+        os.environ[WARM_MARK] = uuid.uuid4().hex
+
+
+def stop_warm_processes() -> None:
+    """SIGTERM to each warm process of this venv that carries this session's mark. A pid file
+    may outlive its process (SIGKILL), and the pid be another's since: only a process whose
+    command line still names the pid file's socket is one."""
+    mark = f"{WARM_MARK}={os.environ[WARM_MARK]}".encode()
+    for pid_file in (Path(sys.prefix) / "var" / "reprotrain-warm").glob("*.pid"):
+        try:
+            proc = Path("/proc") / pid_file.read_text().strip()
+            if str(pid_file.with_suffix(".sock")).encode() in (proc / "cmdline").read_bytes() \
+                    and mark in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """On the controller (xdist workers report to it), after a whole run only: a `-k` or
     single-file run would make every other module look free."""
     config = session.config
+    if not hasattr(config, "workerinput"):  # after every worker's tests
+        stop_warm_processes()
     whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS
              and not config.option.keyword and not config.option.markexpr)
     if getattr(config, "cache", None) and _seconds and not hasattr(config, "workerinput") and whole:

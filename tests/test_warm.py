@@ -277,3 +277,25 @@ def test_a_warm_process_ends_soon_after_its_checkout_is_deleted(tmp_path):
         assert time.time() < deadline, "the warm process outlived its checkout"
         time.sleep(0.2)
     assert not sock.exists()
+
+
+def test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other(tmp_path):
+    # Issue 41.7: README's `pytest -m "not slow"` left two warm processes behind.
+    repo = copy_repo(tmp_path / "repo")
+    shutil.copytree(ROOT / "tests", repo / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    nested = uuid.uuid4().hex
+    (repo / "tests/test_starts_one.py").write_text(
+        "from tests.conftest import ROOT, env_with\nfrom tests.test_warm import warmed\n\n\n"
+        f"def test_starts_one():\n    warmed(ROOT, env_with(WARM_TEST_RUN='{nested}'))\n")
+    started = socket_of(repo, env_with(WARM_TEST_RUN=nested))
+    users = {k: v for k, v in env_with(WARM_TEST_RUN=uuid.uuid4().hex).items()
+             if k != "REPROTRAIN_TEST_SESSION"}  # as from a shell, not from this session
+    own = warmed(repo, users)
+    run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_starts_one.py"], repo, env_with())
+    deadline = time.time() + 30
+    while serving(started) or started.with_suffix(".pid").exists():  # its files go with it
+        assert time.time() < deadline, "the session left its warm process running"
+        time.sleep(0.2)
+    assert serving(own)  # the user's own warm process serves on
+    os.kill(int(own.with_suffix(".pid").read_text()), signal.SIGTERM)
