@@ -299,3 +299,37 @@ def test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other(
         time.sleep(0.2)
     assert serving(own)  # the user's own warm process serves on
     os.kill(int(own.with_suffix(".pid").read_text()), signal.SIGTERM)
+
+
+def test_a_warm_stage_shows_its_own_name(probe_repo):
+    repo, env = probe_repo
+    sock = warmed(repo, env)
+    pid = int(sock.with_suffix(".pid").read_text())
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "reprotrain-warm"
+    assert probe(repo, env)["comm"] == "stages.params"  # as `top` and `ps -e` show it
+
+
+def test_the_first_start_says_what_it_is_and_how_to_turn_it_off_on_a_terminal(tmp_path):
+    import pty
+
+    repo = copy_repo(tmp_path / "repo")
+    env = env_with(WARM_TEST_RUN=uuid.uuid4().hex)
+    sock = socket_of(repo, env)
+    run([sys.executable, "-m", "stages.params"], repo, env)  # a lone stage starts none
+    leader, follower = pty.openpty()
+    try:
+        subprocess.run([sys.executable, "-m", "stages.params"], cwd=repo, env=env,
+                       stdout=subprocess.DEVNULL, stderr=follower, check=True, timeout=120)
+        os.close(follower)
+        try:
+            said = os.read(leader, 4096).decode()
+        except OSError:  # EIO: the terminal closed with nothing written
+            said = ""
+    finally:
+        os.close(leader)
+    assert "warm process" in said and "REPROTRAIN_WARM=0" in said and len(said.splitlines()) == 1
+    deadline = time.time() + 180
+    while not sock.with_suffix(".pid").exists():
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.kill(int(sock.with_suffix(".pid").read_text()), signal.SIGTERM)

@@ -89,7 +89,13 @@ def hand_off(module: str) -> None:
         if conn is None:
             seen = path.with_suffix(".seen")
             if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
+                first = not path.with_suffix(".log").exists()  # for this environment
                 start(path)
+                if first and sys.stderr.isatty():  # for the person at a terminal, not a log
+                    sys.stderr.write(
+                        "note: started a warm process (torch and MLflow imported once, about "
+                        "1 GB) that runs the next stages and exits after 5 idle minutes; "
+                        "REPROTRAIN_WARM=0 runs every stage cold (docs/pipeline.md)\n")
             else:
                 seen.touch()
             return
@@ -237,6 +243,7 @@ def serve(path: Path) -> None:
     except BlockingIOError:
         return  # another caller started one first
     started = time.monotonic()
+    set_name("reprotrain-warm")
     # CUDA cannot cross a fork: an import that asks whether there is a GPU asks NVML instead.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     # The imports get a temp folder of this process's own, not its first caller's (TMPDIR is no
@@ -368,6 +375,7 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     import tempfile
     import threading
 
+    set_name(request["module"])  # `stages.train` in `top` and `ps -e`, as far as 15 bytes go
     with contextlib.suppress(OSError):  # its own group: what it starts goes with it
         os.setpgid(0, 0)
     for fd, std in zip(fds, (0, 1, 2), strict=True):
@@ -417,6 +425,14 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
         except (OSError, ValueError):
             pass
     os._exit(code or 0)
+
+
+def set_name(name: str) -> None:
+    """The name `top`, `ps -e` and `pgrep` show (the process's comm, at most 15 bytes); the
+    command line stays the warm process's: changing it needs a package the lock lacks."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
