@@ -333,3 +333,16 @@ def test_the_first_start_says_what_it_is_and_how_to_turn_it_off_on_a_terminal(tm
         assert time.time() < deadline
         time.sleep(0.2)
     os.kill(int(sock.with_suffix(".pid").read_text()), signal.SIGTERM)
+
+
+def test_a_warm_stage_draws_its_own_seeds_and_passes_no_interpreter_flags_on(probe_repo):
+    # Issue 42.5: children had the warm process's torch seed, and sys.flags.safe_path (-P).
+    repo, env = probe_repo
+    # Outside pytest, where MLflow's import turns its telemetry on and draws a session.
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    warmed(repo, env)
+    one, two = probe(repo, env), probe(repo, env)
+    assert one["seed"] != two["seed"] and one["rand"] != two["rand"]
+    sessions = [p["env"]["_MLFLOW_TELEMETRY_SESSION_ID"] for p in (one, two)]
+    assert sessions[0] != sessions[1]
+    assert one["safe_path"] is two["safe_path"] is False

@@ -20,11 +20,18 @@ difference starts another. It exits after IDLE_S seconds without a caller, or on
 it runs from is gone. `REPROTRAIN_WARM=0` turns it off; distributed workers (torchrun's) always
 run cold.
 
-Standard library only, and run as a script (`python -P warm.py serve ...`), so that the warm
-process holds no module of the checkout that happened to start it.
+Standard library only, and run as a script (`python warm.py serve ...`, its folder taken off
+sys.path at once), so that the warm process holds no module of the checkout that happened to
+start it. Not with `python -P`: a child would inherit sys.flags.safe_path, and pass -P on to the
+Python processes it starts (multiprocessing, torch's compile workers), as a fresh stage does not.
 """
 
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":  # before any other import: stages/lib must not shadow a module
+    del sys.path[0]
 
 import contextlib
 import hashlib
@@ -37,7 +44,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -69,6 +75,8 @@ RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELER
                  # set by a stage for the processes it starts; read by CUDA and Inductor when used
                  "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR")
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
+# Set by an import to a value of its process alone (MLflow's telemetry session): never handed on.
+PER_PROCESS = ("_MLFLOW_TELEMETRY_SESSION_ID",)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 # How often an idle warm process checks that the checkout it runs from is still there.
@@ -180,7 +188,10 @@ def key() -> str:
              [resource.getrlimit(getattr(resource, n)) for n in dir(resource)
               if n.startswith("RLIMIT_")],
              sorted((k, v) for k, v in os.environ.items()
-                    if k in IMPORT_VARIABLES or not k.startswith(RUN_VARIABLES))]
+                    if k in IMPORT_VARIABLES or not k.startswith(RUN_VARIABLES)),
+             # MLflow's import turns its telemetry off under pytest (a variable that names
+             # the test, so only whether it is set)
+             "PYTEST_CURRENT_TEST" in os.environ]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
@@ -227,7 +238,7 @@ def start(path: Path) -> None:
     log = os.fdopen(os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT
                             | os.O_NOFOLLOW, 0o600), "ab")
     with log:
-        subprocess.Popen([sys.executable, "-P", __file__, "serve", str(path)],
+        subprocess.Popen([sys.executable, __file__, "serve", str(path)],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                          start_new_session=True)  # in no caller's folder: it outlives them
 
@@ -262,7 +273,8 @@ def serve(path: Path) -> None:
         with contextlib.suppress(Exception):
             getattr(sys.modules[module], function)()
     # What the imports set (scikit-learn's KMP_* switches): a cold stage passes them on too.
-    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    set_by_imports = {k: v for k, v in os.environ.items()
+                      if before.get(k) != v and k not in PER_PROCESS}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         print("warm: an import initialized CUDA; not serving", flush=True)
@@ -396,12 +408,16 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
         signal.signal(sig, signal.SIG_IGN if sig in request["ignored"] else
                       signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-    # A fresh process's randomness: its own seeds, and torch's generator as import left it.
+    # A fresh process's randomness: seeds of its own, as each import draws them, never the warm
+    # process's. (String hashes keep the warm process's: docs/pipeline.md.)
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
-        sys.modules["torch"].manual_seed(sys.modules["torch"].initial_seed())
+        sys.modules["torch"].manual_seed(int.from_bytes(os.urandom(8), "little"))
+    if "mlflow.telemetry" in sys.modules:  # a session of its own, or the caller's, as cold
+        with contextlib.suppress(Exception):
+            sys.modules["mlflow.telemetry"].set_telemetry_client()
     code: object = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
