@@ -346,3 +346,36 @@ def test_a_warm_stage_draws_its_own_seeds_and_passes_no_interpreter_flags_on(pro
     sessions = [p["env"]["_MLFLOW_TELEMETRY_SESSION_ID"] for p in (one, two)]
     assert sessions[0] != sessions[1]
     assert one["safe_path"] is two["safe_path"] is False
+
+
+def test_ctrl_z_stops_a_warm_stage_and_fg_resumes_it(tmp_path, digits, mlflow_uri):
+    # Issue 42.6: Ctrl-Z stopped the caller while the stage trained on.
+    w = workspace(tmp_path / "w", digits, epochs="40", batch_size="16")
+    env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri)
+    warmed(w, env)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            # a job of this session, as a shell makes one: the kernel does not
+                            # stop a group without a parent in the session (an orphaned one)
+                            process_group=0, preexec_fn=interruptible)
+    try:
+        wait_for_checkpoint(proc, w)
+        (stage,) = [p for p in stage_processes(w) if p != proc.pid]
+
+        def state(pid: int) -> str:
+            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+        def wait_for(pid: int, stopped: bool) -> None:
+            deadline = time.time() + 10
+            while (state(pid) == "T") != stopped:
+                assert time.time() < deadline, f"{pid} is {state(pid)}"
+                time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTSTP)  # what Ctrl-Z in a terminal sends: the whole group
+        wait_for(proc.pid, stopped=True)
+        wait_for(stage, stopped=True)
+        os.killpg(proc.pid, signal.SIGCONT)  # `fg`
+        wait_for(stage, stopped=False)
+        wait_for_checkpoint(proc, w, epoch=3)  # and it trains on
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -7,7 +7,7 @@ than the training loop of a small experiment. So a stage that finds a warm proce
 it over a unix socket, and it forks a child that runs the stage. One that finds none runs as it
 always did, and starts one in the background if another stage came for it within IDLE_S: a
 pipeline's second stage does, a lone command never pays for a warm process it would not use. The
-caller waits, forwards its signals (Ctrl-C, SIGTERM) to the child, and ends with the child's
+caller waits, forwards its signals (Ctrl-C, SIGTERM, Ctrl-Z) to the child, and ends with the child's
 status; a caller killed with SIGKILL takes the child with it. A stage runs the same code either
 way, and writes the same bytes (tests/test_warm.py).
 
@@ -77,8 +77,9 @@ RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELER
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
 # Set by an import to a value of its process alone (MLflow's telemetry session): never handed on.
 PER_PROCESS = ("_MLFLOW_TELEMETRY_SESSION_ID",)
+# Ctrl-Z (SIGTSTP) and `fg`/`bg` (SIGCONT) too: job control stops and resumes the stage as cold.
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-           signal.SIGUSR2)
+           signal.SIGUSR2, signal.SIGTSTP, signal.SIGCONT)
 # How often an idle warm process checks that the checkout it runs from is still there.
 TICK_S = 5.0
 HEADER = struct.Struct("!I")
@@ -132,6 +133,10 @@ def hand_off(module: str) -> None:
         def forward(sig: int, _frame: object) -> None:
             with contextlib.suppress(OSError):
                 conn.send(bytes([sig]))
+            if sig == signal.SIGTSTP:  # stopped too, as the shell's job control expects
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)  # returns once continued (SIGCONT, forwarded too)
+                signal.signal(sig, forward)
         for sig in forwarded:
             signal.signal(sig, forward)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, forwarded)
@@ -362,7 +367,10 @@ def run_for(conn: socket.socket, set_by_imports: dict[str, str], tmp: str) -> No
             if not signals:  # the caller is gone: so is its stage, as a killed process group
                 raise ConnectionError("the caller is gone")
             for sig in signals:  # to the stage, as they reached its caller
-                os.kill(pid, sig)
+                if sig in (signal.SIGTSTP, signal.SIGCONT):  # as the terminal stops a whole
+                    os.killpg(pid, sig)  # job: what the stage started stops with it
+                else:
+                    os.kill(pid, sig)
     except BaseException:
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
