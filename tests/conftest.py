@@ -311,8 +311,10 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "test_ui.py": "*",
     "test_warm.py": (
+        "test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other",
         "test_a_warm_pipeline_writes_the_bytes_a_cold_one_writes",
         "test_ctrl_c_reaches_a_warm_stage_and_sigkill_takes_it_with_its_caller",
+        "test_ctrl_z_stops_a_warm_stage_and_fg_resumes_it",
     ),
     "test_workflows.py": (
         "test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache",
