@@ -211,12 +211,14 @@ print("probe:" + json.dumps({
 @pytest.fixture(scope="module")
 def probe_repo(tmp_path_factory) -> tuple[Path, dict]:
     """A checkout whose params stage is PROBE, and an environment of its own: its warm process
-    serves only this module's tests."""
+    serves only this module's tests. Outside pytest, as a user's stage runs: there MLflow's
+    import turns its telemetry on and draws a session (and one warm process serves all)."""
     repo = copy_repo(tmp_path_factory.mktemp("probe") / "repo")
     params = repo / "stages/params.py"
     params.write_text(params.read_text().replace('if __name__ == "__main__":',
                                                  f'{PROBE}\nif __name__ == "__main__":'))
-    return repo, env_with(WARM_TEST_RUN=uuid.uuid4().hex)
+    return repo, {k: v for k, v in env_with(WARM_TEST_RUN=uuid.uuid4().hex).items()
+                  if k != "PYTEST_CURRENT_TEST"}
 
 
 def probe(repo: Path, env: dict, warm_: bool = True) -> dict:
@@ -238,10 +240,10 @@ def test_a_warm_stage_derives_what_imports_set_from_its_own_callers_temp_folder(
     repo, env = probe_repo
     first, later = short_tmp(), short_tmp()
     try:
-        sock = warmed(repo, env_with(**env, TMPDIR=str(first)))
+        sock = warmed(repo, {**env, "TMPDIR": str(first)})
         shutil.rmtree(first)
         first.write_text("no longer a folder")
-        warm_, cold = (probe(repo, env_with(**env, TMPDIR=str(later)), w) for w in (True, False))
+        warm_, cold = (probe(repo, {**env, "TMPDIR": str(later)}, w) for w in (True, False))
         assert serving(sock) and warm_["warm"] and not cold["warm"]
         assert warm_["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(f"{later}/")
         assert {k: v for k, v in warm_["env"].items() if k != "_MLFLOW_TELEMETRY_SESSION_ID"} \
@@ -338,8 +340,6 @@ def test_the_first_start_says_what_it_is_and_how_to_turn_it_off_on_a_terminal(tm
 def test_a_warm_stage_draws_its_own_seeds_and_passes_no_interpreter_flags_on(probe_repo):
     # Issue 42.5: children had the warm process's torch seed, and sys.flags.safe_path (-P).
     repo, env = probe_repo
-    # Outside pytest, where MLflow's import turns its telemetry on and draws a session.
-    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
     warmed(repo, env)
     one, two = probe(repo, env), probe(repo, env)
     assert one["seed"] != two["seed"] and one["rand"] != two["rand"]
