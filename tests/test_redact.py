@@ -12,22 +12,22 @@ from tests.support.services import create_database, postgres  # noqa: F401 - the
 SECRET = "S3cr3t-pw"
 FORMS = {
     # userinfo
-    f"postgresql://mlflow:{SECRET}@db/mlflow": "postgresql://mlflow:***@db/mlflow",
-    f"postgresql+psycopg://u:{SECRET}@h:5432/db": "postgresql+psycopg://u:***@h:5432/db",
-    f"mysql+pymysql://u:p%40{SECRET}@h/db": "mysql+pymysql://u:***@h/db",
-    f"postgresql://u:pa@{SECRET}@h/db": "postgresql://u:***@h/db",  # an unescaped @ in it
+    f"postgresql://mlflow:{SECRET}@db/mlflow": "postgresql://***@db/mlflow",
+    f"postgresql+psycopg://u:{SECRET}@h:5432/db": "postgresql+psycopg://***@h:5432/db",
+    f"mysql+pymysql://u:p%40{SECRET}@h/db": "mysql+pymysql://***@h/db",
+    f"postgresql://u:pa@{SECRET}@h/db": "postgresql://***@h/db",  # an unescaped @ in it
     # an unescaped / in it (base64 passwords hold them): SQLAlchemy's password ends at the first @
-    f"postgresql://u:ab/{SECRET}+q==@h/db": "postgresql://u:***@h/db",
+    f"postgresql://u:ab/{SECRET}+q==@h/db": "postgresql://***@h/db",
     f"cannot open postgresql+psycopg://u:/{SECRET}/@h:5432/db: refused":
-        "cannot open postgresql+psycopg://u:***@h:5432/db: refused",
-    f"http://alice:{SECRET}@mlflow.example.com:5000": "http://alice:***@mlflow.example.com:5000",
+        "cannot open postgresql+psycopg://***@h:5432/db: refused",
+    f"http://alice:{SECRET}@mlflow.example.com:5000": "http://***@mlflow.example.com:5000",
     # query parameters
-    f"postgresql://u@h/db?password={SECRET}": "postgresql://u@h/db?password=***",
+    f"postgresql://u@h/db?password={SECRET}": "postgresql://***@h/db?password=***",
     f"postgresql://u@h/db?sslmode=require&password={SECRET}&connect_timeout=5":
-        "postgresql://u@h/db?sslmode=require&password=***&connect_timeout=5",
-    f"postgresql://u@h/db?passwd={SECRET}": "postgresql://u@h/db?passwd=***",
-    f"postgresql://u@h/db?PWD={SECRET}": "postgresql://u@h/db?PWD=***",
-    f"postgresql://u@h/db?sslpassword={SECRET}": "postgresql://u@h/db?sslpassword=***",
+        "postgresql://***@h/db?sslmode=require&password=***&connect_timeout=5",
+    f"postgresql://u@h/db?passwd={SECRET}": "postgresql://***@h/db?passwd=***",
+    f"postgresql://u@h/db?PWD={SECRET}": "postgresql://***@h/db?PWD=***",
+    f"postgresql://u@h/db?sslpassword={SECRET}": "postgresql://***@h/db?sslpassword=***",
     f"mssql+pyodbc://h/db?client_secret={SECRET}#x": "mssql+pyodbc://h/db?client_secret=***#x",
     f"postgresql://h/db?api_token={SECRET}": "postgresql://h/db?api_token=***",
     # libpq keyword strings
@@ -41,13 +41,23 @@ FORMS = {
     f"PGPASSWORD={SECRET} make server": "PGPASSWORD=*** make server",
     # inside a message, two URIs
     f"cannot open postgresql://u@h/db?password={SECRET}&sslmode=disable: refused, and "
-    f"http://a:{SECRET}@b/": "cannot open postgresql://u@h/db?password=***&sslmode=disable: "
-                             "refused, and http://a:***@b/",
+    f"http://a:{SECRET}@b/": "cannot open postgresql://***@h/db?password=***&sslmode=disable: "
+                             "refused, and http://***@b/",
+    # a connection string inside a query value, percent-encoded (ODBC), and ODBC's own form
+    f"mssql+pyodbc://u@host/db?odbc_connect=DRIVER%3Dx%3BUID%3Du%3BPWD%3D{SECRET}":
+        "mssql+pyodbc://***@host/db?odbc_connect=***",
+    f"DRIVER=x;UID=u;PWD={SECRET};DATABASE=d": "DRIVER=x;UID=u;PWD=***;DATABASE=d",
+    # a token as the user name: nothing tells it from a user, so no user name is shown
+    f"https://sweeper:{SECRET}@host/team/repo.git": "https://***@host/team/repo.git",
 }
-KEPT = ["postgresql://mlflow@db-host:5432/mlflow", "postgresql://h:5432/db?sslmode=require",
+KEPT = ["postgresql://h:5432/db?sslmode=require",
         "sqlite:////srv/mlflow.db", "sqlite:///sweep.db", "host=db dbname=mlflow user=mlflow",
         "http://127.0.0.1:5000/#/experiments/1/runs?viewStateShareKey=reprotrain",
-        "postgresql://u@h/db?passfile_hint"]
+        "postgresql://h/db?passfile_hint"]
+# A user name is no password, but may be a token: never shown.
+USERS = {"postgresql://mlflow@db-host:5432/mlflow": "postgresql://***@db-host:5432/mlflow",
+         f"https://ghp_{SECRET}@host/team/repo.git": "https://***@host/team/repo.git",
+         f"git remote origin is https://ghp_{SECRET}@host/r.git": "git remote origin is https://***@host/r.git"}
 
 
 @pytest.mark.parametrize("text", list(FORMS))
@@ -61,13 +71,18 @@ def test_text_without_a_password_is_left_as_it_is(text):
     assert masked(text) == text and not holds_password(text)
 
 
+@pytest.mark.parametrize("text", list(USERS))
+def test_a_urls_user_name_is_never_shown_yet_is_no_password(text):
+    assert masked(text) == USERS[text] and not holds_password(text)
+
+
 # Raw blanks and quotes, which SQLAlchemy (MLflow's and Optuna's URI parser) takes into the
 # password, where free text would end a URI.
-RAW = {f"postgresql://u:{SECRET} with blanks@h:5432/db": "postgresql://u:***@h:5432/db",
+RAW = {f"postgresql://u:{SECRET} with blanks@h:5432/db": "postgresql://***@h:5432/db",
        f"postgresql+psycopg://u:'{SECRET}' x@h/db?sslmode=disable":
-           "postgresql+psycopg://u:***@h/db?sslmode=disable",
+           "postgresql+psycopg://***@h/db?sslmode=disable",
        f"postgresql://u@h/db?password='{SECRET} x'&sslmode=disable":
-           "postgresql://u@h/db?password=***&sslmode=disable"}
+           "postgresql://***@h/db?password=***&sslmode=disable"}
 
 
 @pytest.mark.parametrize("uri", list(RAW))

@@ -86,7 +86,9 @@ def test_every_mistake_is_a_line_and_a_password_in_db_is_refused_unseen(tmp_path
                f"host=127.0.0.1 port=1 password='{secret} x' dbname=mlflow",
                # what SQLAlchemy reads as the password: a raw blank, an unescaped /
                f"postgresql://mlflow:{secret} x@127.0.0.1:1/mlflow",
-               f"postgresql://mlflow:ab/{secret}@127.0.0.1:1/mlflow"):
+               f"postgresql://mlflow:ab/{secret}@127.0.0.1:1/mlflow",
+               # ODBC's keyword string, percent-encoded in a query value
+               f"mssql+pyodbc://u@127.0.0.1:1/db?odbc_connect=DRIVER%3Dx%3BUID%3Du%3BPWD%3D{secret}"):
         p = start_server("--db", db, "--artifacts", art, "--port", "5999", env=env)
         line = one_error_line(p)
         assert "holds a password, which `ps` shows" in line and "~/.pgpass" in line, line

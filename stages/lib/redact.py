@@ -1,15 +1,18 @@
-"""Passwords out of text that is shown or logged: database and server URIs in messages, tags and
+"""Secrets out of text that is shown or logged: database and server URIs in messages, tags and
 logs. Plumbing: it knows no params schema, so every command can import it.
 
 A password can sit in a URI's userinfo (`postgresql://u:pw@host/db`), in its query
-(`?password=pw`, `&sslpassword=pw`, any key naming a pass, pwd, secret or token) or in a libpq
-keyword string (`host=h password='p w' dbname=db`); every form is masked, whatever else the text
-holds around it.
+(`?password=pw`, `&sslpassword=pw`, any key naming a pass, pwd, secret or token), percent-encoded
+in a query value that holds a connection string (`?odbc_connect=...%3BPWD%3Dpw`) or in a keyword
+string (libpq's `host=h password='p w' dbname=db`, ODBC's `UID=u;PWD=pw`); every form is masked,
+whatever else the text holds around it. A URL's user name is masked too: it may be a token
+(`https://ghp_...@github.com/team/repo.git`), and nothing tells the two apart.
 """
 
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote_plus
 
 MASK = "***"
 _SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
@@ -17,35 +20,56 @@ _SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
 # in it (base64 passwords hold them) ends at the first @, where SQLAlchemy ends it, not libpq.
 _USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)(?:[^\s/]*|[^\s@]*)@")
 # ?password=...&: a query parameter's value ends at the next `&` or `#`.
-_QUERY = re.compile(rf"(?P<keep>[?&;]{_SECRET_KEY}=)[^&#\s]*", re.IGNORECASE)
+_QUERY = re.compile(rf"(?P<keep>[?&;]{_SECRET_KEY}=)[^&#;\s]*", re.IGNORECASE)
+# Any query parameter, for values that hold a whole connection string, percent-encoded.
+_ANY_QUERY = re.compile(r"(?P<keep>[?&][\w.-]+=)(?P<value>[^&#\s]+)")
 # password=... in a keyword string (libpq's `key = value`, single-quoted with \' or '' inside, or
-# up to the next blank) or an environment dump (`PGPASSWORD=...`).
-_KEYWORD = re.compile(rf"(?P<keep>(?:^|(?<=[\s,(=\"'])){_SECRET_KEY}\s*=\s*)"
-                      r"(?:'(?:[^'\\]|\\.|'')*'?|\"(?:[^\"\\]|\\.)*\"?|\S+)", re.IGNORECASE)
+# up to the next blank; ODBC's `;PWD=...`) or an environment dump (`PGPASSWORD=...`).
+_KEYWORD = re.compile(rf"(?P<keep>(?:^|(?<=[\s,;(=\"'])){_SECRET_KEY}\s*=\s*)"
+                      r"(?:'(?:[^'\\]|\\.|'')*'?|\"(?:[^\"\\]|\\.)*\"?|[^\s;]+)", re.IGNORECASE)
+# scheme://USER@ or scheme://USER:***@ once its password is masked: the user name may be a token.
+_USER = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://)[^\s/:@]+(?::\*\*\*)?@")
 
 
-def masked(text: str) -> str:
-    """`text` with every password in it replaced by ***; the rest (user, host, database) kept,
-    so that a message still says which database it means."""
+def _encoded(match: re.Match) -> str:
+    """A query value that, decoded, holds a keyword string with a password: the whole value."""
+    if _KEYWORD.search(unquote_plus(match["value"])):
+        return match["keep"] + MASK
+    return match[0]
+
+
+def _without_passwords(text: str) -> str:
     text = _USERINFO.sub(rf"\g<keep>{MASK}@", text)
     text = _QUERY.sub(rf"\g<keep>{MASK}", text)
+    text = _ANY_QUERY.sub(_encoded, text)
     return _KEYWORD.sub(rf"\g<keep>{MASK}", text)
 
 
+def masked(text: str) -> str:
+    """`text` with every password and every URL's user name replaced by ***; the rest (scheme,
+    host, database) kept, so that a message still says which database it means."""
+    return _USER.sub(rf"\g<keep>{MASK}@", _without_passwords(text))
+
+
 def holds_password(text: str) -> bool:
-    return masked(text) != text
+    """A password in any form, as SQLAlchemy would read a URI too; a user name alone is none."""
+    return _uri_without_password(text) != text
 
 
 def masked_uri(uri: str) -> str:
     """A database URI (or libpq keyword string) without its password as SQLAlchemy, MLflow's and
     Optuna's parser, reads it: a raw blank or quote in the password, which would end a URI in
     free text, is still the password there (`postgresql://u:a b@h/db` connects with `a b`)."""
-    text = masked(uri)
+    return masked(_uri_without_password(uri))
+
+
+def _uri_without_password(uri: str) -> str:
+    text = _without_passwords(uri)
     try:
         from sqlalchemy.engine import make_url
 
         url = make_url(text)
-    except Exception:  # noqa: BLE001 - not a URI SQLAlchemy reads: masked() is all there is
+    except Exception:  # noqa: BLE001 - not a URI SQLAlchemy reads: the patterns are all there is
         return text
     secret = re.compile(_SECRET_KEY, re.IGNORECASE)
     # SQLAlchemy keeps a #fragment in the last value: `***#x` is masked already.

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from stages.config import load_params
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
-from stages.lib.redact import masked, masked_uri
+from stages.lib.redact import holds_password, masked, masked_uri
 from stages.team.ui import last_lines, private_folder, started
 from stages.tracking import reason
 
@@ -52,7 +52,7 @@ def check_inputs(db: str, artifacts: str, host: str, allowed_hosts: str) -> tupl
     if not db:
         mistakes.append("no database: `make server DB=postgresql://USER@HOST/DB ...` (docs/server.md: "
                         "quick start); the password goes in PGPASSWORD or ~/.pgpass")
-    elif masked_uri(db) != db:
+    elif holds_password(db):
         # The URI is on the command line of this process, `mlflow db upgrade` and the server for
         # as long as it runs: `ps` shows it to every user of the machine.
         mistakes.append(f"DB={masked_uri(db)} holds a password, which `ps` shows to every user: take "
