@@ -62,9 +62,12 @@ def mlflow_uri(tmp_path_factory) -> str:
 
 def env_with(**extra: str) -> dict[str, str]:
     # Without make's own variables too: under `make test` a make the test runs would be
-    # `make[1]`, and its messages would differ from what a user sees.
+    # `make[1]`, and its messages would differ from what a user sees. Nor what this test
+    # process's own imports set (MLflow's telemetry session, Inductor's cache folder once a test
+    # compiled), which a user's shell does not have.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DVC_", "MLFLOW_", "MAKE", "MFLAGS"))}
+           if not k.startswith(("DVC_", "MLFLOW_", "MAKE", "MFLAGS", "_MLFLOW_"))
+           and k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(GIT_ID)
     env.update(extra)

@@ -217,10 +217,8 @@ def probe_repo(tmp_path_factory) -> tuple[Path, dict]:
     params = repo / "stages/params.py"
     params.write_text(params.read_text().replace('if __name__ == "__main__":',
                                                  f'{PROBE}\nif __name__ == "__main__":'))
-    # Nor what this test process's own imports set (Inductor's cache folder, after a test of
-    # this worker compiled): a user's shell does not have it.
     return repo, {k: v for k, v in env_with(WARM_TEST_RUN=uuid.uuid4().hex).items()
-                  if k not in ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")}
+                  if k != "PYTEST_CURRENT_TEST"}
 
 
 def probe(repo: Path, env: dict, warm_: bool = True) -> dict:
