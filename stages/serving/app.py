@@ -68,18 +68,24 @@ def serve_command(folder: Path, port: int) -> list[str]:
 
 
 def is_json(content_type: bytes) -> bool:
-    """application/json, in UTF-8 if it names a charset at all."""
+    """application/json, in UTF-8 if it names a charset at all, and no other parameter.
+    Case-insensitive, a quoted value and an empty parameter allowed (RFC 9110 8.3.1, 5.6.6),
+    where MLflow's server refuses them. Another parameter is refused as MLflow refuses it:
+    `format=pandas-split` and the like are MLflow 1's protocol, whose body means other data."""
     kind, *params = content_type.decode("latin-1").lower().split(";")
-    charsets = [p.partition("=")[2].strip().strip('"') for p in params
-                if p.partition("=")[0].strip() == "charset"]
-    return kind.strip() == "application/json" and all(c in ("utf-8", "utf8") for c in charsets)
+    pairs = [(k.strip(), v.strip().strip('"')) for k, _, v in (p.partition("=") for p in params)
+             if k.strip()]
+    return kind.strip() == "application/json" and all(
+        k == "charset" and v in ("utf-8", "utf8") for k, v in pairs)
 
 
 def parsed(body: bytes) -> object:
     """The request's JSON, from UTF-8 text (decoded once). Python's parser recurses once per `[`
     or `{` and fails near 1000 levels deep with a RecursionError; a request has 2."""
     try:
-        text = body.decode("utf-8")
+        # One leading byte order mark is skipped, as MLflow's server skips it (RFC 8259 8.1
+        # allows it); decoded first, so that an error's byte offset is the body's.
+        text = body.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise BadInput(f"the request is not UTF-8 text (byte {e.start} is not); send JSON, "
                        f"{SHAPE}, uncompressed") from None
@@ -91,9 +97,10 @@ def parsed(body: bytes) -> object:
         raise BadInput(f"the request is not valid JSON ({e}); send {SHAPE}") from None
 
 
-async def reply(send, status: int, data: bytes = b"\n", close: bool = False) -> None:
+async def reply(send, status: int, data: bytes = b"\n", close: bool = False,
+                extra: tuple = ()) -> None:
     headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(data)).encode())]
+               (b"content-length", str(len(data)).encode()), *extra]
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"connection", b"close")] if close else headers})
     await send({"type": "http.response.body", "body": data})
@@ -121,6 +128,14 @@ class Served:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
+        if path.endswith("/") and path.rstrip("/") in ROUTES:
+            # As MLflow's server (Starlette's redirect_slashes): a 307 keeps the method and the
+            # body, so a client that follows it is answered. The Location is our own route,
+            # relative, never built from the Host header a client sent.
+            query = scope.get("query_string", b"")
+            target = path.rstrip("/").encode() + (b"?" + query if query else b"")
+            await reply(send, 307, b"", extra=((b"location", target),))
+            return
         if path not in ROUTES:  # the path is not repeated: it can be anything a client sends
             await refuse(send, 404, "ENDPOINT_NOT_FOUND", "no such endpoint here: POST "
                          "/invocations, GET /ping, /health or /version")
@@ -136,8 +151,10 @@ class Served:
             return
         headers = dict(scope["headers"])
         if not is_json(headers.get(b"content-type", b"")):
+            # Also with no Content-Type (MLflow's server fails with a 500 on it) and text/csv
+            # (a 400 there: no CSV can hold this model's input): the format is what is wrong.
             await refuse(send, 415, "BAD_REQUEST", "send the request as Content-Type: "
-                         "application/json (UTF-8)")
+                         "application/json (UTF-8), with no parameter but charset")
             return
         too_big = (f"a request body over {self.max_body:,} bytes, the most `make serve` reads "
                    "(MAX_BODY_BYTES in stages/serving/app.py); send the images in smaller batches, "
