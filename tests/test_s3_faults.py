@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.team.s3 import S3, start, stop, weed
+from stages.team.s3 import S3, inside, start, stop, weed
 from tests.conftest import ROOT, VENV_BIN, env_with, run
 from tests.support.services import free_port, s3, s3_client_env, server_env  # noqa: F401 - the fixture
 
@@ -269,11 +269,12 @@ def test_a_push_killed_halfway_leaves_nothing_half_and_a_rerun_completes_it(own_
 
 
 def weed_shell(s3: S3, commands: str) -> str:  # noqa: F811
-    """`weed shell` on the server's master and filer (their gRPC ports are not port + 10000)."""
+    """`weed shell` on the server's master and filer (their gRPC ports are not port + 10000), in
+    weed's network namespace: nothing outside it reaches them."""
     args = dict(a.lstrip("-").split("=", 1) for a in s3.proc.args if a.startswith("-") and "=" in a)
-    p = subprocess.run([weed(), "shell",
-                        f"-master=127.0.0.1:{args['master.port']}.{args['master.port.grpc']}",
-                        f"-filer=127.0.0.1:{args['filer.port']}.{args['filer.port.grpc']}"],
+    p = subprocess.run(inside(s3, [weed(), "shell",
+                                   f"-master=127.0.0.1:{args['master.port']}.{args['master.port.grpc']}",
+                                   f"-filer=127.0.0.1:{args['filer.port']}.{args['filer.port.grpc']}"]),
                        input=commands, capture_output=True, text=True, timeout=60, check=True)
     return p.stdout
 
@@ -392,3 +393,70 @@ def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_pat
         for p in [proc, *servers]:  # an orphaned weed is in a session of its own
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 p.kill()
+
+
+def unkeyed(port: int, method: str, path: str, body: bytes | None = None) -> str:
+    """A plain-HTTP request without any key: its status, or `refused` when nothing listens."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path, body=body)
+        return str(conn.getresponse().status)
+    except ConnectionRefusedError:
+        return "refused"
+    except (ConnectionResetError, http.client.RemoteDisconnected):  # a gRPC port, HTTP/2 only
+        return "reset"
+    finally:
+        conn.close()
+
+
+def h2_answers(port: int) -> bool:
+    """Whether a gRPC port answers an unkeyed HTTP/2 client: a SETTINGS frame back to the
+    connection preface (what any gRPC client gets before its first call)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            head = s.recv(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[3] == 4  # frame type 4: SETTINGS
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "tls"])
+def test_every_port_of_make_s3_refuses_a_request_without_the_keys(own_s3, tls):
+    """Issue 42, item 4: weed's master, volume, filer and admin ports (HTTP and gRPC) answered
+    anyone on the machine: a keyless GET on the filer read an object, a PUT replaced it, the
+    master's /dir/status answered. Now each port weed opens, listed from its command line and
+    from what listens on the host, refuses a request without the keys; keyed S3 still works."""
+    import psutil
+
+    if subprocess.run(["unshare", "--map-root-user", "--mount", "--net", "true"],
+                      capture_output=True).returncode:
+        pytest.skip("no network namespace here: weed's inner ports answer on 127.0.0.1")
+    server = own_s3(tls=tls)
+    c = client(server, verify=str(server.ca) if server.ca else None)
+    c.put_object(Bucket="team-dvc", Key="obj", Body=b"original")
+    args = dict(a.lstrip("-").split("=", 1) for a in server.proc.args if ".port" in a and "=" in a)
+    inner = {name: int(p) for name, p in args.items() if name != "s3.port" and int(p)}
+    assert len(inner) == 9, args  # 4 HTTP, their 4 gRPC twins, S3's gRPC
+    tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
+    listening = {c.laddr.port for p in tree for c in p.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    s3_port = int(server.endpoint.rsplit(":", 1)[1])
+    assert listening == {s3_port}, (listening, args)  # nothing but S3 on the host
+    for name, port in inner.items():
+        for method, path, body in [("GET", "/buckets/team-dvc/obj", None),
+                                   ("PUT", "/buckets/team-dvc/obj", b"tampered"),
+                                   ("GET", "/dir/status", None), ("GET", "/dir/assign", None),
+                                   ("GET", "/col/delete?collection=team-dvc", None),
+                                   ("GET", "/status", None), ("GET", "/", None)]:
+            assert unkeyed(port, method, path, body) in ("refused", "401", "403"), \
+                (name, method, path)
+        assert not h2_answers(port), name
+    if not tls:  # S3 itself, unsigned: refused
+        for method, body in [("GET", None), ("PUT", b"tampered"), ("DELETE", None)]:
+            assert unkeyed(s3_port, method, "/team-dvc/obj", body) == "403", method
+    assert c.get_object(Bucket="team-dvc", Key="obj")["Body"].read() == b"original"
+    c.put_object(Bucket="team-dvc", Key="obj", Body=b"replaced, keyed")
+    assert c.get_object(Bucket="team-dvc", Key="obj")["Body"].read() == b"replaced, keyed"

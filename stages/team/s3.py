@@ -5,9 +5,10 @@ storage before the team has one: a DVC remote, the run-cache and MLflow's artifa
 
 It listens on 127.0.0.1 only, keeps its data and logs in `--dir` (git-ignored), and checks
 credentials: the keys are made on first start, kept in `--dir/identities.json` (mode 0600), and
-printed with the commands that use them. `--tls` serves HTTPS with a certificate from a CA of
-its own (`--dir/tls/ca.pem`), as an in-house S3 often does. The tests start it through `start`
-and `stop`.
+printed with the commands that use them. S3 is its only port reachable: weed's own master,
+volume, filer and admin ports, which check no key, are in a network namespace of its own.
+`--tls` serves HTTPS with a certificate from a CA of its own (`--dir/tls/ca.pem`), as an
+in-house S3 often does. The tests start it through `start` and `stop`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +39,57 @@ STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
 # weed makes its gRPC sockets at fixed names, /tmp/seaweedfs-<service>-grpc-<port>.sock, where
 # another user could have planted a file first. It runs with a /tmp of its own instead: a new
 # 0700 folder in `start`'s folder, mounted over /tmp in a mount namespace of its own.
-# In that namespace ($0 `start`'s folder, $1 that new folder, $2 weed): the folder also at $1/w,
-# so that it stays reachable, as /tmp/w, when it is itself under /tmp; weed also at $1/weed (its
-# path may be under /tmp too: a checkout there); $1 over /tmp; weed run as /tmp/weed, named by
-# its own path (bash's `exec -a`), so that `ps` and `pgrep weed` find it as they would without
-# the namespace (run from an fd, it was `/proc/self/fd/3`, command name `3`); in /tmp/w, where
-# its relative paths and its working directory resolve.
-PRIVATE_TMP = (': > "$1/weed" && mount --bind "$2" "$1/weed" && mount --bind "$0" "$1/w" '
-               '&& mount --rbind "$1" /tmp && cd /tmp/w && exec -a "$2" /tmp/weed "${@:3}"')
+# Its master, volume, filer and admin ports (HTTP and gRPC) check no key: anyone on the machine
+# could read, replace or delete objects through them (issue 42). SeaweedFS's security.toml
+# closes only some (its JWT keys leave the master's HTTP API and every gRPC port open), so weed
+# runs in a network namespace of its own too, where those ports are out of everyone's reach, and
+# only S3 (which checks keys) is reachable, through RELAY.
+# In those namespaces ($0 `start`'s folder, $1 that new folder, $2 weed, $3 RELAY, $4 this Python,
+# $5 the S3 socket's fd, $6 the S3 port): the loopback up (a new network namespace's is down);
+# RELAY started and ready (its imports done) before /tmp is covered, as its Python may be under
+# it; the S3 socket closed for weed, so that connections are refused once RELAY is gone; the
+# folder also at $1/w, so that it stays reachable, as /tmp/w, when it is itself under /tmp; weed
+# also at $1/weed (its path may be under /tmp too: a checkout there); $1 over /tmp; weed run as
+# /tmp/weed, named by its own path (bash's `exec -a`), so that `ps` and `pgrep weed` find it as
+# they would without the namespace (run from an fd, it was `/proc/self/fd/3`, command name `3`);
+# in /tmp/w, where its relative paths and its working directory resolve.
+PRIVATE_TMP = ('ip link set lo up && exec {r}< <(exec "$4" -I -S -c "$3" "$5" "$6") '
+               '&& read -r ready <&$r && [ "$ready" = ready ] && exec {r}<&- '
+               '&& fd=$5 && exec {fd}<&- '
+               '&& : > "$1/weed" && mount --bind "$2" "$1/weed" && mount --bind "$0" "$1/w" '
+               '&& mount --rbind "$1" /tmp && cd /tmp/w && exec -a "$2" /tmp/weed "${@:7}"')
+# S3 from the host's 127.0.0.1 to weed's, in its namespace: each connection's bytes both ways,
+# as they are (TLS included: weed serves it). It holds the socket `start` bound on the host (a
+# socket stays in the namespace it was made in) and connects within weed's namespace.
+RELAY = """
+import socket, sys, threading
+listener, weed = socket.socket(fileno=int(sys.argv[1])), ("127.0.0.1", int(sys.argv[2]))
+
+def pump(src, dst):
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)  # a half-close travels on
+    except OSError:  # one side is gone: so is the other
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+def serve(client):
+    try:
+        upstream = socket.create_connection(weed)
+    except OSError:  # weed not up yet, or gone: the client sees its connection closed
+        client.close()
+        return
+    threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+    pump(client, upstream)
+
+print("ready", flush=True)
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +189,19 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     (folder / "data").mkdir(exist_ok=True)
     (folder / "logs").mkdir(mode=0o700, exist_ok=True)
     key, secret = identities(folder)
+    ns = namespaces()
+    listener = None
+    if ns:  # S3's socket on the host, bound here, for RELAY
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's own did
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError as e:
+            listener.close()
+            raise UserError(f"cannot serve S3 on 127.0.0.1:{port}: {e.strerror}; choose another "
+                            "port (`make s3 S3_PORT=...`, or --port)") from None
+        listener.listen(128)
+        port = listener.getsockname()[1]
     # S3's own gRPC port too: weed's default, the S3 port + 10000, is past 65535 for a quarter
     # of the ports the kernel hands out, and weed then exits at start.
     ports = free_ports(2 + 2 * len(PORTS))
@@ -168,9 +226,19 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
         cmd += [f"-s3.cert.file={cert.relative_to(folder)}",
                 f"-s3.key.file={tls_key.relative_to(folder)}"]
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
-    proc = subprocess.Popen(with_private_tmp(weed(), cmd, folder, tmp), cwd=folder, stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=os.environ | {"TMPDIR": "/tmp"}, start_new_session=True)
+    if listener:
+        cmd = [*ns, "bash", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()), weed(),
+               RELAY, sys.executable, str(listener.fileno()), str(port), *cmd]
+    else:
+        cmd = [weed(), *cmd]
+    try:
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=os.environ | {"TMPDIR": "/tmp"},
+                                start_new_session=True,
+                                pass_fds=[listener.fileno()] if listener else [])
+    finally:  # RELAY's now: closed here, so that nothing accepts once it is gone
+        if listener:
+            listener.close()
     s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
             secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca)
     try:
@@ -211,17 +279,34 @@ def answers(s3: S3) -> bool:
     return True
 
 
-def with_private_tmp(binary: str, args: list[str], folder: Path, tmp: Path) -> list[str]:
-    """`binary args` in `folder`, with `tmp` (a folder in it) as its /tmp, in a mount namespace of its own
-    (util-linux's unshare, as a user namespace's root). Where the kernel allows
-    none (user namespaces off), weed runs as it is: its gRPC sockets then go to its fixed /tmp
-    names, which `stop` leaves alone (it cannot prove they are this server's)."""
+def namespaces() -> list[str]:
+    """util-linux's unshare into a user namespace (as its root), and mount and network namespaces
+    of weed's own, its loopback up; [] where the kernel allows none (user namespaces off, as
+    Ubuntu's AppArmor may have them). weed then runs as it is: its gRPC sockets go to its fixed
+    /tmp names, which `stop` leaves alone (it cannot prove they are this server's), and its
+    inner ports answer anyone on the machine: `main` says so."""
     unshare = shutil.which("unshare")
-    ns = [unshare, "--map-root-user", "--mount"] if unshare else []
-    if ns and subprocess.run([*ns, "true"], capture_output=True).returncode == 0:
-        return [*ns, "bash", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()),
-                binary, *args]
-    return [binary, *args]
+    ns = [unshare, "--map-root-user", "--mount", "--net"] if unshare else []
+    if ns and subprocess.run([*ns, "ip", "link", "set", "lo", "up"],
+                             capture_output=True).returncode == 0:
+        return ns
+    return []
+
+
+def isolated(s3: S3) -> bool:
+    """Whether weed runs in a network namespace of its own: only S3 reachable from here."""
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{s3.proc.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    return False
+
+
+def inside(s3: S3, command: list[str]) -> list[str]:
+    """`command` run in weed's network namespace, where its master and filer are reachable (`weed
+    shell`, for quotas); as it is where weed has none."""
+    if not isolated(s3):
+        return command
+    return ["nsenter", f"--target={s3.proc.pid}", "--user", "--net", "--preserve-credentials",
+            *command]
 
 
 def stop(s3: S3) -> None:
@@ -262,6 +347,10 @@ def main() -> None:
               f"  export MLFLOW_S3_ENDPOINT_URL={s3.endpoint} AWS_ACCESS_KEY_ID={s3.access_key} "
               f"AWS_SECRET_ACCESS_KEY={s3.secret_key}"
               + (f" AWS_CA_BUNDLE={s3.ca.resolve()}" if s3.ca else ""), flush=True)
+        if not isolated(s3):
+            print("warning: no network namespace here (user namespaces are off): SeaweedFS's "
+                  "master, volume, filer and admin ports on 127.0.0.1 answer anyone on this "
+                  "machine without a key; see docs/data.md", file=sys.stderr, flush=True)
         s3.proc.wait()
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
         pass
