@@ -147,11 +147,15 @@ def main() -> None:
             info = (run.log_served_model(name, **model_kwargs(EXPORT_DIR, png_base64(
                 test.x[:2].numpy()))) if cfg.log_model else None)
         if cfg.register_as and info is not None:
-            reg = run.register(info.model_uri, cfg.register_as, evaluation["accuracy"])
+            reg = run.register(info.model_uri, cfg.register_as, evaluation["accuracy"],
+                               tracking.model_task(trained.spec()))
             if reg:
                 print(f"registered {reg['name']} version {reg['version']} as candidate"
                       + (", now champion" if reg["champion"] else
-                         f"; champion stays version {reg['previous_champion']}"))
+                         f"; champion stays version {reg['previous_champion']}"
+                         + (" (it answers other classes or inputs: `make serve` serves it; "
+                            "export.register_as names another model)" if reg["other_task"]
+                            else "")))
     print(f"exported ONNX, .pt2 and safetensors to {EXPORT_DIR}; eager vs exported within "
           f"{max(checks.values()):.1e} at batch sizes {cfg.check_batch_sizes}; test accuracy "
           f"{evaluation['accuracy']:.4f} ({EVAL_DIR / 'metrics.json'})")

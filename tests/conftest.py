@@ -291,7 +291,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_predict_reproduces_evaluate_accuracy",
         "test_predict_runs_the_trained_model_pt_as_its_export_would",
         "test_predict_warns_when_the_shapes_model_is_given_the_grayscale_digits",
-        "test_registry_moves_champion_only_on_better_accuracy",
+        "test_registry_moves_champion_only_on_better_accuracy_of_the_same_task",
     ),
     "test_redact.py": (
         "test_a_sweep_never_shows_or_tags_its_storages_password",

@@ -44,15 +44,16 @@ if TYPE_CHECKING:
         start_run,
     )
     from stages.tracking.stores import reason, refusal, tracking_uri
-    from stages.tracking.tracker import Tracker
+    from stages.tracking.tracker import Tracker, model_task
 
 __all__ = ["EXPERIMENT_TAGS", "PARENT_RUN_ENV", "Tracker", "experiment_run", "experiment_url",
-           "git_commit", "link_model", "metric_name", "reason", "refusal", "run_name",
-           "start_run", "tracking_uri"]
+           "git_commit", "link_model", "metric_name", "model_task", "reason", "refusal",
+           "run_name", "start_run", "tracking_uri"]
 HOME = {"EXPERIMENT_TAGS": "names", "git_commit": "names", "metric_name": "names",
         "run_name": "names", "PARENT_RUN_ENV": "runs", "experiment_run": "runs",
         "experiment_url": "runs", "link_model": "runs", "start_run": "runs", "reason": "stores",
-        "refusal": "stores", "tracking_uri": "stores", "Tracker": "tracker"}
+        "refusal": "stores", "tracking_uri": "stores", "Tracker": "tracker",
+        "model_task": "tracker"}
 
 
 def __getattr__(name: str):

@@ -477,6 +477,8 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
                    new_run: bool) -> int:
     from mlflow.exceptions import MlflowException
 
+    from stages.tracking.tracker import TASK, promotes
+
     made = 0
     versions = sorted(src.search_model_versions(f"run_id = '{run_id}'"),
                       key=lambda v: v.creation_timestamp)
@@ -520,22 +522,11 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
             continue
         aliases = src.get_model_version(v.name, v.version).aliases
         for alias in aliases:
-            if alias != "champion" or _beats_champion(dst, v.name, v.tags.get("eval.accuracy")):
+            if alias != "champion" or promotes(dst, v.name, v.tags.get("eval.accuracy"),
+                                               v.tags.get(TASK))[0]:
                 dst.set_registered_model_alias(v.name, alias, copy.version)
         dst.set_model_version_tag(v.name, copy.version, ALIASES_SET, "true")
     return made
-
-
-def _beats_champion(dst, name: str, accuracy: str | None) -> bool:
-    """The project's promotion rule, decided against the server: a version that was champion
-    on a laptop is champion on the server only when it beats the server's champion."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        champion = dst.get_model_version_by_alias(name, "champion")
-    except MlflowException:
-        return True
-    return float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1"))
 
 
 def _failure(e: Exception, source: str, target: str) -> str:

@@ -229,12 +229,11 @@ class Tracker:
         self.served = (name, kwargs)
         return self.call(mlflow.pyfunc.log_model, name=name, **kwargs)
 
-    def register(self, model_uri: str, name: str, accuracy: float) -> dict | None:
-        """Register a version with alias `candidate`; move `champion` to it when its test
-        accuracy beats the current champion's (or there is none). Registered in the spool, it
-        says so here and returns None: a champion there is only the laptop's, and `make sync`
-        decides it against the server's."""
-        reg = self.call(self._register, model_uri, name, accuracy)
+    def register(self, model_uri: str, name: str, accuracy: float, task: str) -> dict | None:
+        """Register a version with alias `candidate`; move `champion` to it as `promotes` says.
+        Registered in the spool, it says so here and returns None: a champion there is only the
+        laptop's, and `make sync` decides it against the server's."""
+        reg = self.call(self._register, model_uri, name, accuracy, task)
         if reg and self.spooled:
             print(f"registered {name} in the local spool ({SPOOL}/), not on the server, which "
                   "did not answer: `make sync` registers it there, champion if it beats the "
@@ -242,7 +241,7 @@ class Tracker:
             return None
         return reg
 
-    def _register(self, model_uri: str, name: str, accuracy: float) -> dict:
+    def _register(self, model_uri: str, name: str, accuracy: float, task: str) -> dict:
         """`register_version`; in the spool, a model logged on the server before it failed is
         logged again there (the spool cannot register the server's), naming the server's copy."""
         import mlflow
@@ -259,7 +258,7 @@ class Tracker:
                 mlflow.MlflowClient().set_logged_model_tags(info.model_id,
                                                             {SERVER_MODEL: server_model})
                 model_uri = info.model_uri
-        return register_version(model_uri, name, accuracy)
+        return register_version(model_uri, name, accuracy, task)
 
 
 def _log_dataset(meta: dict, root: str) -> None:
@@ -287,9 +286,8 @@ def _last_steps(run_id: str) -> dict[str, int]:
             for key in client.get_run(run_id).data.metrics}
 
 
-def register_version(model_uri: str, name: str, accuracy: float) -> dict:
+def register_version(model_uri: str, name: str, accuracy: float, task: str) -> dict:
     import mlflow
-    from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
     # Without MLflow's "Successfully registered model", "Created version" lines (export says
@@ -298,14 +296,37 @@ def register_version(model_uri: str, name: str, accuracy: float) -> dict:
     with contextlib.redirect_stderr(io.StringIO()):
         version = mlflow.register_model(model_uri, name, await_registration_for=0).version
     client.set_model_version_tag(name, version, "eval.accuracy", repr(accuracy))
+    client.set_model_version_tag(name, version, TASK, task)
     client.set_registered_model_alias(name, "candidate", version)
-    try:
-        champion = client.get_model_version_by_alias(name, "champion")
-        best = float(champion.tags.get("eval.accuracy", "-1"))
-    except MlflowException:  # no champion yet
-        champion, best = None, -1.0
-    promoted = accuracy > best
+    promoted, champion = promotes(client, name, repr(accuracy), task)
     if promoted:
         client.set_registered_model_alias(name, "champion", version)
     return {"name": name, "version": int(version), "champion": promoted,
-            "previous_champion": int(champion.version) if champion else None}
+            "previous_champion": int(champion.version) if champion else None,
+            "other_task": bool(champion) and champion.tags.get(TASK, task) != task}
+
+
+# A version's tag naming what it answers (classes, channels, image size: model_task's JSON).
+TASK = "task"
+
+
+def model_task(spec: dict) -> str:
+    """What a model answers, from export's model.json spec: versions of one task compete."""
+    return json.dumps({k: spec[k] for k in ("classes", "input_shape")}, sort_keys=True)
+
+
+def promotes(client, name: str, accuracy: str | None, task: str | None) -> tuple[bool, Any]:
+    """The project's promotion rule, for export and for `make sync` against the server: a
+    version becomes champion when there is none, or when it answers the champion's task and
+    beats its test accuracy. A model of other classes or inputs never displaces it (a shapes
+    model's 1.0 on shapes says nothing of the digits the champion's callers send). Returns the
+    decision and the champion it was made against."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        champion = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:  # no champion yet
+        return True, None
+    same = champion.tags.get(TASK) in (None, task)  # a champion from before tasks: any
+    return same and float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1")), \
+        champion
