@@ -47,6 +47,7 @@ FORMS = {
     f"mssql+pyodbc://u@host/db?odbc_connect=DRIVER%3Dx%3BUID%3Du%3BPWD%3D{SECRET}":
         "mssql+pyodbc://***@host/db?odbc_connect=***",
     f"DRIVER=x;UID=u;PWD={SECRET};DATABASE=d": "DRIVER=x;UID=u;PWD=***;DATABASE=d",
+    f"Driver={{ODBC}};Uid=u;Pwd={{{SECRET};a b}}}}c}};Database=d": "Driver={ODBC};Uid=u;Pwd=***;Database=d",
     # a token as the user name: nothing tells it from a user, so no user name is shown
     f"https://sweeper:{SECRET}@host/team/repo.git": "https://***@host/team/repo.git",
 }

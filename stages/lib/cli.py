@@ -153,14 +153,17 @@ def stop_on_signals() -> None:
     """SIGTERM (`kill`, systemd, or make passing its own on) and SIGHUP (a closed terminal) stop
     a long-running command as Ctrl-C does: a KeyboardInterrupt, so that its `finally` stops the
     servers it started in sessions of their own, which Python's default death would leave
-    running. Only the first: `kill` of make's whole group reaches this process twice (make
-    passes its SIGTERM on), and the second would cut the first one's clean-up short."""
+    running. Only the first of the three: `kill` of make's whole group reaches this process
+    twice (make passes its SIGTERM on), and a second, or a Ctrl-C after a SIGTERM, would cut the
+    first one's clean-up short."""
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
     def interrupt(signum, frame) -> None:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in stops:
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in stops:
         signal.signal(sig, interrupt)
 
 

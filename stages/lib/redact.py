@@ -20,13 +20,15 @@ _SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
 # in it (base64 passwords hold them) ends at the first @, where SQLAlchemy ends it, not libpq.
 _USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)(?:[^\s/]*|[^\s@]*)@")
 # ?password=...&: a query parameter's value ends at the next `&` or `#`.
-_QUERY = re.compile(rf"(?P<keep>[?&;]{_SECRET_KEY}=)[^&#;\s]*", re.IGNORECASE)
+_QUERY = re.compile(rf"(?P<keep>[?&]{_SECRET_KEY}=)[^&#;\s]*", re.IGNORECASE)
 # Any query parameter, for values that hold a whole connection string, percent-encoded.
 _ANY_QUERY = re.compile(r"(?P<keep>[?&][\w.-]+=)(?P<value>[^&#\s]+)")
 # password=... in a keyword string (libpq's `key = value`, single-quoted with \' or '' inside, or
-# up to the next blank; ODBC's `;PWD=...`) or an environment dump (`PGPASSWORD=...`).
+# up to the next blank; ODBC's `;PWD=...`, braced as `{...}` with `}}` inside) or an environment
+# dump (`PGPASSWORD=...`).
 _KEYWORD = re.compile(rf"(?P<keep>(?:^|(?<=[\s,;(=\"'])){_SECRET_KEY}\s*=\s*)"
-                      r"(?:'(?:[^'\\]|\\.|'')*'?|\"(?:[^\"\\]|\\.)*\"?|[^\s;]+)", re.IGNORECASE)
+                      r"(?:'(?:[^'\\]|\\.|'')*'?|\"(?:[^\"\\]|\\.)*\"?|\{(?:[^}]|\}\})*\}?|[^\s;]+)",
+                      re.IGNORECASE)
 # scheme://USER@ or scheme://USER:***@ once its password is masked: the user name may be a token.
 _USER = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://)[^\s/:@]+(?::\*\*\*)?@")
 

@@ -353,7 +353,8 @@ def main() -> None:
                   "machine without a key; see docs/data.md", file=sys.stderr, flush=True)
         s3.proc.wait()
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
-        pass
+        with contextlib.suppress(OSError):  # stderr may be a terminal that is gone (SIGHUP)
+            print("stopping the S3 server", file=sys.stderr, flush=True)
     finally:
         if s3 is not None:
             stop(s3)

@@ -239,15 +239,19 @@ def unrestored(stage: str) -> str | None:
     "Unable to pull data"; DVC then reruns and never looks at the run-cache, which may hold this
     machine's own run). One line before minutes of work, or None when the lock is another run's
     or its outputs are cached here."""
+    try:
+        return _unrestored(stage)
+    except Exception:  # noqa: BLE001 - advice only: a lock it cannot read never stops a stage
+        return None
+
+
+def _unrestored(stage: str) -> str | None:
     from omegaconf import OmegaConf
 
     from stages.lib.files import file_hash
 
-    try:
-        lock = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"][stage]
-        params = OmegaConf.to_container(OmegaConf.load("params.yaml"))
-    except (OSError, KeyError, TypeError, ValueError):
-        return None
+    lock = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"][stage]
+    params = OmegaConf.to_container(OmegaConf.load("params.yaml"))
     if any(params.get(k) != v for k, v in lock.get("params", {}).get("params.yaml", {}).items()):
         return None  # other params: the lock names another run's outputs
     for dep in lock.get("deps", []):
