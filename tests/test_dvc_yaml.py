@@ -161,3 +161,17 @@ def test_line_charts_legends_tell_the_dashed_field_from_the_solid(tmp_path):
         assert spec["config"]["legend"]["symbolSize"] ** 0.5 > period, title
     assert dashed["loss per epoch (log scale)"]["encoding"]["y"]["scale"] == {"type": "log"}
     assert dashed["accuracy per epoch"]["encoding"]["y"]["scale"] == {"zero": False}
+
+
+def test_the_committed_lock_names_the_committed_code():
+    """A stage's file changed without relocking (stages/train.py once): every fresh clone's
+    `make repro` retrained, and README's S3 restore with it."""
+    import hashlib
+
+    from tests.conftest import committed
+
+    lock = OmegaConf.to_container(OmegaConf.create(committed("dvc.lock").decode()))["stages"]
+    stale = [f"{name}: {dep['path']}" for name, stage in lock.items()
+             for dep in stage.get("deps", []) if (ROOT / dep["path"]).is_file()
+             and hashlib.md5(committed(dep["path"])).hexdigest() != dep["md5"]]
+    assert not stale, f"dvc.lock names other code for {stale}: `dvc repro`, then commit dvc.lock"
