@@ -519,8 +519,7 @@ def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):
     storage. Refused before any work, without showing it, whether REMOTE names it or is it."""
     repo = copy_repo(tmp_path / "repo")
     token, url = "ghp_S3cr3tT0ken", "https://sweeper:ghp_S3cr3tT0ken@127.0.0.1:1/team/repo.git"
-    # Then a token as the user name: no password to tell apart, yet never shown either
-    # (test_redact.py: every message masks a URL's user); the remote is unreachable here.
+    # Then a token as an https URL's user name, refused alike (and never shown: test_redact.py).
     bare = url.replace("sweeper:", "")
     run(["git", "remote", "add", "origin", url], repo)
     for origin, remote in ((url, "origin"), (url, url), (bare, "origin"), (bare, bare)):
@@ -529,10 +528,9 @@ def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):
                  "--remote", remote, "--study", "token", "--storage",
                  "postgresql://optuna@127.0.0.1:1/sweeps"], repo, check=False, timeout=120)
         assert p.returncode == 1 and token not in p.stdout + p.stderr, (p.stdout, p.stderr)
-        if origin == url:  # a password: refused before any work
-            assert p.stderr.startswith("error: REMOTE=") and "holds a password" in p.stderr and \
-                "https://***@127.0.0.1:1/team/repo.git" in p.stderr and \
-                p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith("error: REMOTE=") and "holds a password or a token" in \
+            p.stderr and "https://***@127.0.0.1:1/team/repo.git" in p.stderr and \
+            p.stderr.count("\n") == 1, p.stderr
 
 
 def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_clones(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,12 +105,14 @@ def pinned_commit(remote: str) -> tuple[str, str]:
     from stages.lib.redact import holds_password
 
     url = git("remote", "get-url", remote).stdout.strip() or remote
-    if holds_password(url):
+    # An http(s) URL's user name is where hosts take a token (`https://ghp_...@github.com/`):
+    # refused like a password. An SSH URL's (`ssh://git@host/`) is a login name.
+    if holds_password(url) or re.match(r"https?://[^/@\s]+@", url, re.IGNORECASE):
         # Every worker's `git clone URL` shows it in `ps`, each clone keeps it in .git/config and
         # the study keeps it for every user of its storage.
-        raise SweepError(f"REMOTE={shown(remote)}: its URL {shown(url)} holds a password, which "
-                         "the workers' `git clone` would show to every user: let git find it "
-                         "instead (a credential helper, or an SSH URL with a key)")
+        raise SweepError(f"REMOTE={shown(remote)}: its URL {shown(url)} holds a password or a "
+                         "token, which the workers' `git clone` would show to every user: let "
+                         "git find it instead (a credential helper, or an SSH URL with a key)")
     commit = git("rev-parse", "HEAD").stdout.strip()
     listed = git("ls-remote", url)
     if listed.returncode:
