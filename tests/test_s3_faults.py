@@ -395,6 +395,35 @@ def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_pat
                 p.kill()
 
 
+def test_make_s3_killed_by_sigkill_leaves_nothing_on_its_port(tmp_path):
+    """SIGKILL (`kill -9`, the OOM killer) runs no `finally`: weed, in a session and namespaces
+    of its own, and its relay served on, holding the port. The relay's lifeline ends both."""
+    import psutil
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "stages.team.s3", "--port", str(port),
+                             "--dir", str(tmp_path / "s3")], cwd=ROOT, env=env_with(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    started = []
+    try:
+        for line in proc.stdout:
+            if "Ctrl-C stops it" in line:
+                break
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert started, proc.stderr.read()
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+        assert not [c for c in psutil.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    finally:
+        for p in [proc, *started]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+
+
 def unkeyed(port: int, method: str, path: str, body: bytes | None = None) -> str:
     """A plain-HTTP request without any key: its status, or `refused` when nothing listens."""
     import http.client

@@ -45,25 +45,37 @@ STOP_S = 10.0  # SIGTERM stops it in about 2.3 s
 # runs in a network namespace of its own too, where those ports are out of everyone's reach, and
 # only S3 (which checks keys) is reachable, through RELAY.
 # In those namespaces ($0 `start`'s folder, $1 that new folder, $2 weed, $3 RELAY, $4 this Python,
-# $5 the S3 socket's fd, $6 the S3 port): the loopback up (a new network namespace's is down);
+# $5 the S3 socket's fd, $6 the S3 port, $7 the lifeline's fd): the loopback up (a new network
+# namespace's is down);
 # RELAY started and ready (its imports done) before /tmp is covered, as its Python may be under
-# it; the S3 socket closed for weed, so that connections are refused once RELAY is gone; the
+# it; the S3 socket and the lifeline closed for weed, so that connections are refused once RELAY
+# is gone; the
 # folder also at $1/w, so that it stays reachable, as /tmp/w, when it is itself under /tmp; weed
 # also at $1/weed (its path may be under /tmp too: a checkout there); $1 over /tmp; weed run as
 # /tmp/weed, named by its own path (bash's `exec -a`), so that `ps` and `pgrep weed` find it as
 # they would without the namespace (run from an fd, it was `/proc/self/fd/3`, command name `3`);
 # in /tmp/w, where its relative paths and its working directory resolve.
-PRIVATE_TMP = ('ip link set lo up && exec {r}< <(exec "$4" -I -S -c "$3" "$5" "$6") '
+PRIVATE_TMP = ('ip link set lo up && exec {r}< <(exec "$4" -I -S -c "$3" "$5" "$6" "$7") '
                '&& read -r ready <&$r && [ "$ready" = ready ] && exec {r}<&- '
-               '&& fd=$5 && exec {fd}<&- '
+               '&& fd=$5 && exec {fd}<&- && fd=$7 && exec {fd}<&- '
                '&& : > "$1/weed" && mount --bind "$2" "$1/weed" && mount --bind "$0" "$1/w" '
-               '&& mount --rbind "$1" /tmp && cd /tmp/w && exec -a "$2" /tmp/weed "${@:7}"')
+               '&& mount --rbind "$1" /tmp && cd /tmp/w && exec -a "$2" /tmp/weed "${@:8}"')
 # S3 from the host's 127.0.0.1 to weed's, in its namespace: each connection's bytes both ways,
 # as they are (TLS included: weed serves it). It holds the socket `start` bound on the host (a
-# socket stays in the namespace it was made in) and connects within weed's namespace.
+# socket stays in the namespace it was made in) and connects within weed's namespace. It also
+# holds the lifeline, a pipe whose other end only `start`'s process holds: at its end-of-file
+# that process is gone, even by SIGKILL (which no `finally` sees), and RELAY stops weed, its
+# parent once bash exec'd it (never another process that became its parent since).
 RELAY = """
-import socket, sys, threading
+import os, signal, socket, sys, threading
 listener, weed = socket.socket(fileno=int(sys.argv[1])), ("127.0.0.1", int(sys.argv[2]))
+parent = os.getppid()
+
+def lifeline(fd):
+    os.read(fd, 1)
+    if os.getppid() == parent:
+        os.kill(parent, signal.SIGTERM)
+    os._exit(0)
 
 def pump(src, dst):
     try:
@@ -86,6 +98,7 @@ def serve(client):
     threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
     pump(client, upstream)
 
+threading.Thread(target=lifeline, args=(int(sys.argv[3]),), daemon=True).start()
 print("ready", flush=True)
 while True:
     threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
@@ -102,6 +115,7 @@ class S3:
     folder: Path
     tmp: Path  # weed's own /tmp, in `folder`: made by `start`, removed by `stop`
     ca: Path | None = None  # the private CA that signed its certificate, when it serves HTTPS
+    lifeline: int | None = None  # RELAY stops weed once this fd's process is gone: `stop` closes it
 
     def env(self) -> dict[str, str]:
         """What a client (DVC, boto3, the MLflow server) needs to reach it."""
@@ -226,21 +240,24 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
         cmd += [f"-s3.cert.file={cert.relative_to(folder)}",
                 f"-s3.key.file={tls_key.relative_to(folder)}"]
     log = open(folder / "logs" / "weed.out", "ab")  # noqa: SIM115 (the server's, closed by stop)
+    theirs, lifeline = os.pipe() if listener else (None, None)  # not inherited: pass_fds only
     if listener:
         cmd = [*ns, "bash", "-c", PRIVATE_TMP, str(folder.resolve()), str(tmp.resolve()), weed(),
-               RELAY, sys.executable, str(listener.fileno()), str(port), *cmd]
+               RELAY, sys.executable, str(listener.fileno()), str(port), str(theirs), *cmd]
     else:
         cmd = [weed(), *cmd]
     try:
         proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=os.environ | {"TMPDIR": "/tmp"},
                                 start_new_session=True,
-                                pass_fds=[listener.fileno()] if listener else [])
+                                pass_fds=[listener.fileno(), theirs] if listener else [])
     finally:  # RELAY's now: closed here, so that nothing accepts once it is gone
         if listener:
             listener.close()
+            os.close(theirs)
     s3 = S3(endpoint=f"{'https' if tls else 'http'}://127.0.0.1:{port}", access_key=key,
-            secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca)
+            secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca,
+            lifeline=lifeline)
     try:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline:
@@ -319,6 +336,9 @@ def stop(s3: S3) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(s3.proc.pid, signal.SIGKILL)
         s3.proc.wait()
+    if s3.lifeline is not None:
+        with contextlib.suppress(OSError):
+            os.close(s3.lifeline)
     shutil.rmtree(s3.tmp, ignore_errors=True)
 
 
