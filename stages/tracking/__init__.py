@@ -35,7 +35,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stages.tracking.names import EXPERIMENT_TAGS, git_commit, metric_name, run_name
+    from stages.tracking.names import EXPERIMENT_TAGS, git_commit, metric_name, model_task, run_name
     from stages.tracking.runs import (
         PARENT_RUN_ENV,
         experiment_run,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
         start_run,
     )
     from stages.tracking.stores import reason, refusal, tracking_uri
-    from stages.tracking.tracker import Tracker, model_task
+    from stages.tracking.tracker import Tracker
 
 __all__ = ["EXPERIMENT_TAGS", "PARENT_RUN_ENV", "Tracker", "experiment_run", "experiment_url",
            "git_commit", "link_model", "metric_name", "model_task", "reason", "refusal",
@@ -53,7 +53,7 @@ HOME = {"EXPERIMENT_TAGS": "names", "git_commit": "names", "metric_name": "names
         "run_name": "names", "PARENT_RUN_ENV": "runs", "experiment_run": "runs",
         "experiment_url": "runs", "link_model": "runs", "start_run": "runs", "reason": "stores",
         "refusal": "stores", "tracking_uri": "stores", "Tracker": "tracker",
-        "model_task": "tracker"}
+        "model_task": "names"}
 
 
 def __getattr__(name: str):

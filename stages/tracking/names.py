@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import time
+from typing import Any
 
 from stages.config import flatten
 from stages.metrics import MLFLOW_NAMES
@@ -75,3 +76,29 @@ def params_changed(path: str = "params.yaml") -> list[str]:
     except Exception:  # noqa: BLE001 - no git, no commit, unreadable: the name is only a label
         return []
     return [f"{k}={v}" for k, v in now.items() if before.get(k, object()) != v]
+
+
+# A version's tag naming what it answers (classes, channels, image size: model_task's JSON).
+TASK = "task"
+
+
+def model_task(spec: dict) -> str:
+    """What a model answers, from export's model.json spec: versions of one task compete."""
+    return json.dumps({k: spec[k] for k in ("classes", "input_shape")}, sort_keys=True)
+
+
+def promotes(client, name: str, accuracy: str | None, task: str | None) -> tuple[bool, Any]:
+    """The project's promotion rule, for export and for `make sync` against the server: a
+    version becomes champion when there is none, or when it answers the champion's task and
+    beats its test accuracy. A model of other classes or inputs never displaces it (a shapes
+    model's 1.0 on shapes says nothing of the digits the champion's callers send). Returns the
+    decision and the champion it was made against."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        champion = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:  # no champion yet
+        return True, None
+    same = champion.tags.get(TASK) in (None, task)  # a champion from before tasks: any
+    return same and float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1")), \
+        champion

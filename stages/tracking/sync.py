@@ -477,7 +477,7 @@ def _sync_versions(src, dst, run_id: str, target: str, ids: dict[str, str], orig
                    new_run: bool) -> int:
     from mlflow.exceptions import MlflowException
 
-    from stages.tracking.tracker import TASK, promotes
+    from stages.tracking.names import TASK, promotes
 
     made = 0
     versions = sorted(src.search_model_versions(f"run_id = '{run_id}'"),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.lib.cli import timed
-from stages.tracking.names import metric_name
+from stages.tracking.names import TASK, metric_name, promotes
 from stages.tracking.spool import open_spool_run
 from stages.tracking.stores import (
     FAILED_BECAUSE,
@@ -304,29 +304,3 @@ def register_version(model_uri: str, name: str, accuracy: float, task: str) -> d
     return {"name": name, "version": int(version), "champion": promoted,
             "previous_champion": int(champion.version) if champion else None,
             "other_task": bool(champion) and champion.tags.get(TASK, task) != task}
-
-
-# A version's tag naming what it answers (classes, channels, image size: model_task's JSON).
-TASK = "task"
-
-
-def model_task(spec: dict) -> str:
-    """What a model answers, from export's model.json spec: versions of one task compete."""
-    return json.dumps({k: spec[k] for k in ("classes", "input_shape")}, sort_keys=True)
-
-
-def promotes(client, name: str, accuracy: str | None, task: str | None) -> tuple[bool, Any]:
-    """The project's promotion rule, for export and for `make sync` against the server: a
-    version becomes champion when there is none, or when it answers the champion's task and
-    beats its test accuracy. A model of other classes or inputs never displaces it (a shapes
-    model's 1.0 on shapes says nothing of the digits the champion's callers send). Returns the
-    decision and the champion it was made against."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        champion = client.get_model_version_by_alias(name, "champion")
-    except MlflowException:  # no champion yet
-        return True, None
-    same = champion.tags.get(TASK) in (None, task)  # a champion from before tasks: any
-    return same and float(accuracy or "-1") > float(champion.tags.get("eval.accuracy", "-1")), \
-        champion
