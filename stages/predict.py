@@ -203,6 +203,8 @@ def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
     (symbolic shapes through sympy, guard code through exec, and pickled weights or sample
     inputs when a weights-only load fails)."""
     import torch
+
+    # Private (no public table of .pt2 dtype names): pinned by tests/test_private_names.py.
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
     try:

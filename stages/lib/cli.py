@@ -134,7 +134,7 @@ def exit_now() -> typing.NoReturn:
     order: wait for threads, run the exit handlers (logging, multiprocessing, MLflow's queue),
     flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
     with no public equivalent): `threading._shutdown` also stops idle thread pools, which a
-    plain join of every thread would wait on forever."""
+    plain join of every thread would wait on forever. Pinned by tests/test_private_names.py."""
     threading._shutdown()
     atexit._run_exitfuncs()
     code = 0

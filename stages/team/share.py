@@ -164,7 +164,9 @@ def fail_fast() -> None:
     fails at once the same way: a server that dies mid-push would otherwise cost each file
     still to send its own 13 s, 4 per CPU at a time (137 s for 139 files here). What was sent
     stays, and a rerun sends the rest. On s3fs's class: DVC makes an instance per remote
-    object, and this process pushes to one remote, then exits."""
+    object, and this process pushes to one remote, then exits. botocore's public retry settings
+    (AWS_MAX_ATTEMPTS) would cut every request's tries, not only those after the endpoint went;
+    the private method is pinned by tests/test_private_names.py."""
     from s3fs import S3FileSystem
 
     call, gone = S3FileSystem._call_s3, []
