@@ -70,6 +70,7 @@ def env_with(**extra: str) -> dict[str, str]:
            and k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(GIT_ID)
+    env["DO_NOT_TRACK"] = "true"  # MLflow's telemetry: a test's traffic stays on this machine
     env.update(extra)
     return env
 

@@ -251,7 +251,6 @@ def start(path: Path) -> None:
 def serve(path: Path) -> None:
     """Import the libraries, then fork a child per caller until IDLE_S pass without one."""
     import fcntl
-    import importlib
 
     lock = os.open(path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
@@ -260,45 +259,29 @@ def serve(path: Path) -> None:
         return  # another caller started one first
     started = time.monotonic()
     set_name("reprotrain-warm")
-    # CUDA cannot cross a fork: an import that asks whether there is a GPU asks NVML instead.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    # The imports get a temp folder of this process's own, not its first caller's (TMPDIR is no
-    # part of the key): what they derive from it (Inductor's cache folder) a child gets with
-    # its caller's temp folder in this one's place, as a cold import would have derived it.
-    own_tmp = path.with_suffix(".tmp")
-    own_tmp.mkdir(mode=0o700, exist_ok=True)
-    os.environ["TMPDIR"] = str(own_tmp)
-    before = dict(os.environ)
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    for module, function in PREWARM:
-        with contextlib.suppress(Exception):
-            getattr(sys.modules[module], function)()
-    # What the imports set (scikit-learn's KMP_* switches): a cold stage passes them on too.
-    set_by_imports = {k: v for k, v in os.environ.items()
-                      if before.get(k) != v and k not in PER_PROCESS}
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        print("warm: an import initialized CUDA; not serving", flush=True)
-        return
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tmp = path.with_suffix(f".{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    server.bind(str(tmp))
-    mine = os.stat(tmp).st_ino
-    server.listen(64)
-    os.replace(tmp, path)  # callers find it only once everything is imported
+    # Stoppable, with its files, from the moment it is one: `make test` may stop it mid-import.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     pid_file = path.with_suffix(".pid")  # what `make test` stops: never a stage forked from it
     pid_file.write_text(f"{os.getpid()}\n")
-    print(f"warm: serving {path.name} {time.monotonic() - started:.1f} s after start",
-          flush=True)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill`: the files go too
-    last = time.monotonic()
+    own_tmp = path.with_suffix(".tmp")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine = None
     try:
+        set_by_imports = warm_up(own_tmp)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            print("warm: an import initialized CUDA; not serving", flush=True)
+            return
+        tmp = path.with_suffix(f".{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        server.bind(str(tmp))
+        mine = os.stat(tmp).st_ino
+        server.listen(64)
+        os.replace(tmp, path)  # callers find it only once everything is imported
+        print(f"warm: serving {path.name} {time.monotonic() - started:.1f} s after start",
+              flush=True)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+        last = time.monotonic()
         while True:
             if not select.select([server], [], [], TICK_S)[0]:
                 # Idle; or the checkout it runs from was deleted (a sweep worker's clone):
@@ -328,6 +311,30 @@ def serve(path: Path) -> None:
         for suffix in (".seen", ".pid", ".lock"):  # the log stays: a line per start
             path.with_suffix(suffix).unlink(missing_ok=True)
         shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+def warm_up(own_tmp: Path) -> dict[str, str]:
+    """Import the libraries; return what the imports set in the environment (scikit-learn's
+    KMP_* switches), which a cold stage passes on too."""
+    import importlib
+
+    # CUDA cannot cross a fork: an import that asks whether there is a GPU asks NVML instead.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # The imports get a temp folder of this process's own, not its first caller's (TMPDIR is no
+    # part of the key): what they derive from it (Inductor's cache folder) a child gets with
+    # its caller's temp folder in this one's place, as a cold import would have derived it.
+    own_tmp.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TMPDIR"] = str(own_tmp)
+    before = dict(os.environ)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    for module, function in PREWARM:
+        with contextlib.suppress(Exception):
+            getattr(sys.modules[module], function)()
+    return {k: v for k, v in os.environ.items() if before.get(k) != v and k not in PER_PROCESS}
 
 
 def run_for(conn: socket.socket, set_by_imports: dict[str, str], tmp: str) -> None:
