@@ -24,9 +24,3 @@ The modules, each importing only those above it:
     launch.py   `run`: the pinned commit, the engines that start workers (Local, Slurm), watching
     __main__.py the command line: run, worker, status
 """
-
-
-def __getattr__(name: str):  # an old `from stages.sweep import x`: say where x lives now
-    from stages import moved_attribute
-
-    return moved_attribute(__name__, name)

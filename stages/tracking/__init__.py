@@ -61,7 +61,4 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f"{__name__}.{HOME[name]}"), name)
         globals()[name] = value
         return value
-    # an old `from stages.tracking import x`: say where x lives now
-    from stages import moved_attribute
-
-    return moved_attribute(__name__, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
