@@ -85,61 +85,42 @@ def label(uri: str) -> str:
 def _lock(source: str, wait_s: float | None) -> Iterator[None]:
     """One sync of a store at a time (a `make sync`, a stage's replay): each finds what the
     target holds, then creates the rest, then marks the run sent, and two at once would both
-    find nothing and both create. An OS lock (flock) on a file beside the store, released by
-    the kernel when its holder dies (a SIGKILLed sync leaves no stale lock). `wait_s`: how
+    find nothing and both create. filelock's OS lock (flock) on a file beside the store, which
+    the kernel releases when its holder dies and never opens through a link. `wait_s`: how
     long to wait for the holder (None: until it is done); then Busy."""
-    import fcntl
+    from filelock import FileLock, Timeout
 
     if not source.startswith("sqlite:///"):
         yield
         return
     db = Path(source.removeprefix("sqlite:///").split("?")[0])
     path = db.with_name(db.name + ".sync-lock")
-    deadline = None if wait_s is None else time.monotonic() + wait_s
-    said = False
-    while True:
+    lock = FileLock(path)
+    try:
         try:
-            # Never through a link: a link planted there would have its target truncated.
-            f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UserError(f"{path} is a symbolic link, not the lock sync keeps there; "
-                                "remove it and rerun") from None
-            if path.exists():  # there, but not ours to lock: syncing without it could double
-                raise UserError(f"cannot open the sync lock {path} ({e.strerror}); make it "
-                                "writable or remove it, then rerun") from None
-            yield  # a read-only store's folder: nothing of it is marked, a rerun skips all
-            return
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = f.read().strip() or "?"
-            f.close()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise Busy(f"another sync of {db.parent.name}/{db.name} is running (pid "
-                           f"{holder})") from None
-            if not said and wait_s is None:
-                print(f"another sync of {db.parent.name}/{db.name} is running (pid {holder}): "
-                      "waiting for it to finish", file=sys.stderr, flush=True)
-                said = True
-            time.sleep(0.2)
-            continue
-        try:  # locked: still the file at `path`? (removed or replaced meanwhile: lock that one)
-            current = os.stat(path, follow_symlinks=False).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(f.fileno()).st_ino:
-            break
-        f.close()
-    with f:
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            lock.acquire(timeout=0)
+        except Timeout:
+            if wait_s is not None:
+                lock.acquire(timeout=wait_s)
+            else:
+                print(f"another sync of {db.parent.name}/{db.name} is running: waiting for it "
+                      "to finish", file=sys.stderr, flush=True)
+                lock.acquire()
+    except Timeout:
+        raise Busy(f"another sync of {db.parent.name}/{db.name} is running") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link, not the lock sync keeps there; "
+                            "remove it and rerun") from None
+        if os.path.lexists(path):  # there, but not ours to lock: syncing without it could double
+            raise UserError(f"cannot open the sync lock {path} ({e.strerror}); make it "
+                            "writable or remove it, then rerun") from None
+        yield  # a read-only store's folder: nothing of it is marked, a rerun skips all
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def damage(db: Path) -> str | None:
