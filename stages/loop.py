@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -41,6 +40,7 @@ from stages.config import TrainConfig
 from stages.data import Split, normalize
 from stages.lib.errors import UserError
 from stages.metrics import EPOCH, epoch_line
+from stages.models import loss_fn
 from stages.optim import EMA, Schedule, build_optimizer
 from stages.runtime import (
     autocast,
@@ -298,7 +298,7 @@ def build_parts(model: nn.Module, setup: Setup) -> Parts:
     scaler = torch.amp.GradScaler(device.type, enabled=setup.precision == "fp16")
     return Parts(model=model, net=net, ddp=ddp, ema=ema,
                  optimizer=build_optimizer(model, cfg, lr, device), scaler=scaler,
-                 criterion=nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                 criterion=loss_fn(cfg.label_smoothing),
                  schedule=Schedule(cfg, lr, setup.plan.steps_per_epoch, setup.job.epochs))
 
 
@@ -451,7 +451,7 @@ def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> dict[
     logits = predict(net, split, setup.mean, setup.std, device=setup.device,
                      precision=setup.precision, batch_size=batch_size,
                      channels_last=setup.cfg.channels_last)
-    loss, acc = F.cross_entropy(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
+    loss, acc = loss_fn()(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
     if setup.job.world > 1:
         # Rank 0's figures for every process: they decide the best epoch, plateau cuts and early
         # stopping, and one ULP of difference (cudnn.benchmark tunes per process) would split

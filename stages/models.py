@@ -90,6 +90,12 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def loss_fn(label_smoothing: float = 0.0) -> nn.Module:
+    """The loss, once: what training minimizes (with `train.label_smoothing`) and what
+    validation and evaluate report (without: the loss of the logits as they are)."""
+    return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+
 def skeleton(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
     """The architecture on the meta device: every tensor's name, shape and dtype, and no memory.
     What a file claims is checked against it before anything of the claimed size is allocated

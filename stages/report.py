@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from stages.lib.files import csv_text
+from stages.models import loss_fn
 
 
 def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tuple[dict, dict]:
@@ -28,7 +28,7 @@ def classification_metrics(logits: Tensor, y: Tensor, classes: list[str]) -> tup
                for a, b in ((tp, predicted), (tp, s), (2 * tp, s + predicted)))
     summary = {
         "accuracy": float((pred == true).mean()),
-        "loss": F.cross_entropy(logits, y).item(),
+        "loss": loss_fn()(logits, y).item(),
         "macro_f1": float(f[present_labels(true, classes)].mean()),
         "n": int(len(true)),
     }
