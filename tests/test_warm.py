@@ -144,6 +144,10 @@ def test_only_what_imports_read_decides_which_warm_process_serves(monkeypatch):
                         "AWS_SECRET_ACCESS_KEY": "s", "SLURM_JOB_ID": "7"}.items():
         monkeypatch.setenv(name, value)  # they name a run: the same warm process serves it
     assert warm.key() == before
+    for name in ("_PYTHON_SYSCONFIGDATA_NAME", "TEMPLATE_PATH", "PATHEXT"):  # no family of those
+        with monkeypatch.context() as m:
+            m.setenv(name, "x")
+            assert warm.key() != before, name
     threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
     monkeypatch.setenv("OMP_NUM_THREADS", threads)  # read as torch loads: another warm process
     assert warm.key() != before

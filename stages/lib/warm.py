@@ -65,15 +65,18 @@ PREWARM = (("mlflow.utils.requirements_utils", "_init_packages_to_modules_map"),
 IDLE_S = 300.0
 # Variables read when used, never as a library loads: a caller may differ in them and still be
 # served (a child runs with the caller's environment). Everything else in the environment is
-# part of the warm process's key; of MLflow's, only the two its import reads.
-RUN_VARIABLES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "MFLAGS", "VENV", "CELERY_", "SLURM_",
-                 "AWS_", "PG", "PYTEST_", "MLFLOW_", "_MLFLOW_", "PATH", "TMPDIR", "TEMP", "TMP",
-                 "PWD", "OLDPWD", "SHLVL", "_", "COLUMNS", "LINES",
-                 # a shell's prompt and an activated venv's marks (`. .venv/bin/activate`): no
-                 # library reads them, and make/DVC and the user's shell differ in them
-                 "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND", "VIRTUAL_ENV", "_OLD_VIRTUAL_",
-                 # set by a stage for the processes it starts; read by CUDA and Inductor when used
-                 "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR")
+# part of the warm process's key; of MLflow's, only the two its import reads. Families by their
+# prefix, the rest by exact name: a prefix as short as `TEMP` or `_` would exempt variables no
+# one listed (`_PYTHON_SYSCONFIGDATA_NAME`, which imports read).
+RUN_FAMILIES = ("DVC_", "REPROTRAIN_", "GIT_", "MAKE", "CELERY_", "SLURM_", "AWS_", "PG",
+                "PYTEST_", "MLFLOW_", "_MLFLOW_", "_OLD_VIRTUAL_")
+RUN_NAMES = {"MFLAGS", "VENV", "PATH", "TMPDIR", "TEMP", "TMP", "PWD", "OLDPWD", "SHLVL", "_",
+             "COLUMNS", "LINES",
+             # a shell's prompt and an activated venv's marks (`. .venv/bin/activate`): no
+             # library reads them, and make/DVC and the user's shell differ in them
+             "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND", "VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT",
+             # set by a stage for the processes it starts; read by CUDA and Inductor when used
+             "CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR"}
 IMPORT_VARIABLES = ("MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL", "MLFLOW_DISABLE_TELEMETRY")
 # Set by an import to a value of its process alone (MLflow's telemetry session): never handed on.
 PER_PROCESS = ("_MLFLOW_TELEMETRY_SESSION_ID",)
@@ -193,7 +196,7 @@ def key() -> str:
              [resource.getrlimit(getattr(resource, n)) for n in dir(resource)
               if n.startswith("RLIMIT_")],
              sorted((k, v) for k, v in os.environ.items()
-                    if k in IMPORT_VARIABLES or not k.startswith(RUN_VARIABLES)),
+                    if k in IMPORT_VARIABLES or not (k in RUN_NAMES or k.startswith(RUN_FAMILIES))),
              # MLflow's import turns its telemetry off under pytest (a variable that names
              # the test, so only whether it is set)
              "PYTEST_CURRENT_TEST" in os.environ]
