@@ -1,8 +1,8 @@
 """reprotrain. At the top: the five DVC stages (params, prepare, train, evaluate, export),
-`python -m stages.predict`, and the experiment they run, what a fork changes (config, models,
-sources, data, batches, loop, optim, metrics, checkpoints, weights, runtime, report,
-distributed). The team's tools live in packages: tracking, sweep, serving, team, bench, and lib
-for plumbing that knows no params schema.
+`python -m stages.predict` with the inference it shares with serving, and the experiment they
+run, what a fork changes (config, models, sources, data, batches, loop, optim, metrics,
+checkpoints, weights, runtime, report, distributed). The team's tools live in packages:
+tracking, sweep, serving, team, bench, and lib for plumbing that knows no params schema.
 """
 
 import sys

@@ -855,10 +855,10 @@ def test_the_served_folder_loads_anywhere_without_torch(in_workspace, tmp_path):
     check = ("import sys, json, base64, mlflow.pyfunc; m = mlflow.pyfunc.load_model('../model'); "
              f"out = m.predict([open({str(SAMPLES[0])!r}, 'rb').read()]); "
              "print(json.dumps([out[0]['label'], 'torch' in sys.modules, "
-             "sys.modules['stages.predict'].__file__]))")
-    label, torch_loaded, source = json.loads(run(
+             "sys.modules['stages.inference'].__file__, 'stages.predict' in sys.modules]))")
+    label, torch_loaded, source, command_loaded = json.loads(run(
         [sys.executable, "-c", check], elsewhere, env=env_with()).stdout)
-    assert label in [str(i) for i in range(10)] and not torch_loaded
+    assert label in [str(i) for i in range(10)] and not torch_loaded and not command_loaded
     assert source.startswith(str(tmp_path / "model/code/stages"))
 
 

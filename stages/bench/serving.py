@@ -38,9 +38,9 @@ import numpy as np
 
 from stages.bench import cpu_label
 from stages.config import EXPORT_DIR, TRAIN_DIR
+from stages.inference import model_input, onnx_runner, probabilities, read_spec
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.images import decode_image
-from stages.predict import model_input, onnx_runner, probabilities, read_spec
 from stages.serving.app import serve_command, server_env
 from stages.serving.registry import QUIET_S, cache_entry, registered_name
 from stages.team.ui import answers, stop

@@ -18,7 +18,7 @@ import binascii
 from pathlib import Path
 from typing import Any
 
-from stages import predict as shared  # the functions `python -m stages.predict` runs
+from stages import inference  # the functions `python -m stages.predict` runs too
 from stages.lib.images import ACCEPTED, DataError, decode_image, open_image
 
 # Bounds on one request: its images, each image's pixels and all its images' pixels (read from
@@ -74,8 +74,8 @@ class Classifier:
 
     def __init__(self, spec_path: Path, onnx_path: Path):
         self.spec_path, self.onnx_path = spec_path, onnx_path
-        self.spec = shared.read_spec(spec_path)
-        self.run = shared.onnx_runner(onnx_path, self.spec, TIMEOUT_S)
+        self.spec = inference.read_spec(spec_path)
+        self.run = inference.onnx_runner(onnx_path, self.spec, TIMEOUT_S)
 
     def __call__(self, model_input: list[str | bytes]) -> list[dict[str, Any]]:
         """One record per image: `label`, its `probability`, and `probabilities` by class name."""
@@ -104,13 +104,13 @@ class Classifier:
             except Exception:  # noqa: BLE001 - whatever else fails on a crafted file
                 raise BadInput(f"image {i}: not a readable image (it does not decode); "
                                f"{FIX}") from None
-        x = shared.model_input(images, self.spec)
-        probs = shared.probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
+        x = inference.model_input(images, self.spec)
+        probs = inference.probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
                                      self.spec_path)
         classes = self.spec["classes"]
         out = []
         for p, image, xi in zip(probs, images, x, strict=True):
-            warning = shared.unlike_training(image, xi, self.spec)
+            warning = inference.unlike_training(image, xi, self.spec)
             out.append({"label": classes[p.argmax()], "probability": float(p.max()),
                         "probabilities": dict(zip(classes, map(float, p), strict=True))}
                        | ({"warning": warning} if warning else {}))

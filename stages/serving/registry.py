@@ -4,7 +4,7 @@ registry to be served (`make serve`, stages/serving/app.py) or loaded (`load_cha
 What runs is this checkout's code, never code from the registry. Loading a logged pyfunc model
 runs the Python file stored with it (models-from-code) or unpickles it (older models), and a
 team's registry takes versions from anyone who can log one. So only the two data files are taken
-from the champion, model.json (checked by stages.predict.read_spec) and model.onnx (a graph of
+from the champion, model.json (checked by stages.inference.read_spec) and model.onnx (a graph of
 standard operators, run by onnxruntime); the model folder served is saved afresh around them
 from stages/serving/served_model.py of this checkout, with the modules it imports.
 """
@@ -44,10 +44,9 @@ REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # The modules of stages/ it imports, transitively, and the two that config reads as text (the
 # registries of models and sources): tests/test_serving.py checks the list against the import graph
 # and loads a saved model away from the checkout.
-PACKAGE = ("__init__.py", "config.py", "models.py", "predict.py", "sources.py", "weights.py",
-           "lib/__init__.py", "lib/cli.py", "lib/errors.py", "lib/files.py", "lib/images.py",
-           "lib/paths.py", "lib/strict_yaml.py", "lib/warm.py", "serving/__init__.py",
-           "serving/classifier.py")
+PACKAGE = ("__init__.py", "config.py", "inference.py", "models.py", "sources.py", "lib/__init__.py",
+           "lib/errors.py", "lib/images.py", "lib/paths.py", "lib/strict_yaml.py",
+           "serving/__init__.py", "serving/classifier.py")
 STAGES = SERVED_MODEL.parents[1]
 # The champions looked up before, by registry, name and alias: a restart of `make serve` takes
 # the files from here while the registry provably still points at them (`cached`), without
@@ -95,6 +94,8 @@ def package_copy(dest: Path) -> Path:
     for name in PACKAGE:
         (package / name).parent.mkdir(exist_ok=True)
         shutil.copy2(STAGES / name, package / name)
+    # Not the checkout's: its hand-off to a warm process has no place in a served model.
+    (package / "__init__.py").write_text('"""reprotrain\'s inference, as the served model runs it."""\n')
     return package
 
 
