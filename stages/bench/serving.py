@@ -2,9 +2,8 @@
 
     python -m stages.bench.serving [--requests 300] [--batches 20] [--budget-s 60] [--revs 1d5d579]
 
-- `make serve`, first start: the champion looked up in the registry (MLflow imported, the
-  store read, the two files downloaded), then the model server; the lookup's cache emptied first;
-- `make serve`, restart: the same, the lookup's cache checked instead (stages/serving/registry.py);
+- `make serve`: the champion looked up in the registry (MLflow imported, the store read, the
+  two files downloaded), then the model server;
 - `mlflow models serve` of the same model saved (`python -m stages.serving.app --save`):
   MLflow's scoring server, what the container runs and what `make serve` ran before;
 - served mlflow.pytorch: the model as export logged it before, `mlflow models serve` of it; the
@@ -25,7 +24,6 @@ import base64
 import http.client
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,6 @@ from stages.inference import model_input, onnx_runner, probabilities, read_spec
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.images import decode_image
 from stages.serving.app import serve_command, server_env
-from stages.serving.registry import QUIET_S, cache_entry, registered_name
 from stages.team.ui import answers, stop
 from stages.tracking.stores import tracking_uri
 
@@ -139,26 +136,6 @@ def rev_row(rev: str, images: list[bytes], port: int, args, work: Path) -> dict:
     return pyfunc_row(make_serve(port, code), images, port, args, work / f"rev-{port}.log", env)
 
 
-def first_start_row(images: list[bytes], port: int, args, work: Path) -> dict:
-    """`make serve` with its lookup's cache emptied, as on a first start; then, untimed, what
-    leaves the cache filled for the restart's row (a store written within QUIET_S is not
-    cached: one more start once it is quiet)."""
-    from stages.config import load_params
-
-    entry = cache_entry(tracking_uri(load_params().mlflow), registered_name(), "champion")
-    shutil.rmtree(entry, ignore_errors=True)
-    row = pyfunc_row(make_serve(port), images, port, args, work / "first.log", dict(os.environ))
-    if not entry.exists():
-        time.sleep(QUIET_S)
-        server, _ = served(make_serve(port), port, lambda: None, args.timeout, work / "fill.log",
-                           dict(os.environ))
-        stop(server)
-    if not entry.exists():
-        raise RuntimeError("`make serve` left no cache of its lookup (stages/serving/registry.py: "
-                           "a store it cannot cache?): the restart's row would time a first start")
-    return row
-
-
 def mlflow_serve_row(images: list[bytes], port: int, args, work: Path) -> dict:
     """`mlflow models serve` of the model `make serve` serves, saved as `--save` saves it."""
     subprocess.run([sys.executable, "-m", "stages.serving.app", "--save", str(work / "saved")],
@@ -230,7 +207,7 @@ def predict_row(images: list[bytes], args) -> dict:
 
 
 def markdown(rows: dict[str, dict], parts: dict[str, float], args) -> str:
-    base = rows["make serve, first start"]
+    base = rows["make serve"]
     predict = rows["in-process stages.predict"]["cold_start_s"]
     out = [f"CPU: {cpu_label()}; {args.requests} requests of 1 image, {args.batches} of "
            f"{args.batch_size} (each phase at most {args.budget_s} s); `make bench-serve`", "",
@@ -261,9 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     images = [p.read_bytes() for p in SAMPLES]
     with tempfile.TemporaryDirectory(prefix="reprotrain-bench-serve-") as tmp:
         work, port = Path(tmp), args.port
-        rows = {"make serve, first start": first_start_row(images, port, args, work),
-                "make serve, restart": pyfunc_row(make_serve(port + 1), images, port + 1, args,
-                                                  work / "restart.log", dict(os.environ)),
+        rows = {"make serve": pyfunc_row(make_serve(port), images, port, args, work / "serve.log",
+                                         dict(os.environ)),
                 "mlflow models serve of the same model": mlflow_serve_row(images, port + 2, args,
                                                                           work),
                 "served mlflow.pytorch + client preprocessing":
@@ -272,9 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         for i, rev in enumerate(r for r in args.revs.split(",") if r):
             rows[f"make serve at {rev}"] = rev_row(rev, images, port + 5 + i, args, work)
         alone = server_alone_s(images, port + 4, args, work)
-    first, restart = (rows[f"make serve, {k}"]["cold_start_s"] for k in ("first start", "restart"))
-    parts = {"the registry's lookup with MLflow (first start less restart)": first - restart,
-             "`make serve` to its cached lookup (restart less the model server)": restart - alone,
+    parts = {"the registry's lookup with MLflow, Python, params (make serve less the model server)":
+             rows["make serve"]["cold_start_s"] - alone,
              "the model server process, to its first answer": alone}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"cpu": cpu_label(), "rows": rows, "parts": parts}, indent=2)

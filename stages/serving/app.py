@@ -30,7 +30,7 @@ from pathlib import Path
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
 from stages.serving.classifier import FIX, BadInput, Classifier
-from stages.serving.registry import registered_name, save_served, served_files
+from stages.serving.registry import champion_files, registered_name, save_served
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
@@ -244,7 +244,7 @@ def port_free(port: int) -> bool:
 def serve(name: str, work: Path, args) -> None:
     from stages.team.ui import private_folder, started
 
-    number, files = served_files(name, work / "registry", args.alias)
+    number, files = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.
     Classifier(files / "model.json", files / "model.onnx")
     what = f"{name} version {number} ({args.alias})"
