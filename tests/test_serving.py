@@ -38,8 +38,8 @@ import pytest
 from PIL import Image
 
 from stages.data import save_prepared
+from stages.lib.processes import answers
 from stages.serving.registry import PACKAGE
-from stages.team.ui import answers
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
 from tests.support.image_files import EPS, fake_ghostscript, many_scan_jpeg
 from tests.support.services import (

@@ -39,8 +39,8 @@ from stages.config import EXPORT_DIR, TRAIN_DIR
 from stages.inference import model_input, onnx_runner, probabilities, read_spec
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.images import decode_image
+from stages.lib.processes import answers, stop
 from stages.serving.app import serve_command, server_env
-from stages.team.ui import answers, stop
 from stages.tracking.stores import tracking_uri
 
 SAMPLES = sorted(Path("data/samples").glob("*.png"))

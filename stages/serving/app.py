@@ -242,7 +242,7 @@ def port_free(port: int) -> bool:
 
 
 def serve(name: str, work: Path, args) -> None:
-    from stages.team.ui import private_folder, started
+    from stages.lib.processes import private_folder, started
 
     number, files = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.

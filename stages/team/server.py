@@ -28,8 +28,8 @@ from urllib.parse import urlsplit
 from stages.config import load_params
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
+from stages.lib.processes import last_lines, private_folder, started
 from stages.lib.redact import holds_password, masked, masked_uri
-from stages.team.ui import last_lines, private_folder, started
 from stages.tracking import reason
 
 # Logged-in users may browse every experiment and log only where they created the experiment or
