@@ -364,7 +364,10 @@ def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_pat
     proc = subprocess.Popen(["make", "-s", "s3", f"S3_PORT={port}", f"VENV={VENV_BIN.parent}"],
                             cwd=tmp_path, env=env_with(PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group, as a terminal runs it
+                            start_new_session=True,  # its own group, as a terminal runs it
+                            # and with SIGHUP's default, as a terminal's shell gives it, even
+                            # where this test runs under `nohup` (which make would inherit)
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     servers = []
     try:
         lines = []
