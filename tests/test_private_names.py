@@ -4,8 +4,6 @@ private (no public equivalent) beside it."""
 
 from __future__ import annotations
 
-import inspect
-
 
 def test_the_interpreters_own_shutdown_steps_exist():
     # stages/lib/cli.py exit_now: what a normal exit calls, before skipping the teardown.
@@ -22,10 +20,3 @@ def test_torch_exports_dtype_table_reads_what_export_writes():
 
     assert torch.float32 in _SERIALIZE_TO_TORCH_DTYPE.values()
     assert all(isinstance(d, torch.dtype) for d in _SERIALIZE_TO_TORCH_DTYPE.values())
-
-
-def test_s3fs_sends_every_request_through_call_s3():
-    # stages/team/share.py fail_fast: a dead endpoint fails every later request at once.
-    from s3fs import S3FileSystem
-
-    assert inspect.iscoroutinefunction(S3FileSystem._call_s3)

@@ -37,8 +37,8 @@ def main() -> None:
         remote = f"the DVC remote {name!r} ({url})"
         try:
             if str(url).startswith("s3://"):
-                check_bucket(repo, name, url)
                 fail_fast()
+                check_bucket(repo, name, url)
             print(push(repo, problems))
         except NoRemoteError:
             raise ShareError("no DVC remote to share to: add one with `dvc remote add -d NAME "
@@ -62,8 +62,9 @@ def main() -> None:
             if isinstance(e, PermissionError) and str(url).startswith("s3://"):
                 raise ShareError(f"{remote} refused this machine's credentials: {e}{why}; "
                                  f"{set_keys(name)}") from None
-            gone = next((r.exc_info[1] for r in problems if r.levelno >= logging.ERROR and
-                         r.exc_info and isinstance(r.exc_info[1], s3_unreachable())), None)
+            gone = next((unwrapped(r.exc_info[1]) for r in problems if r.levelno >= logging.ERROR
+                         and r.exc_info and isinstance(unwrapped(r.exc_info[1]), s3_unreachable())),
+                        None)
             if gone is not None:  # the server went away mid-push: each file failed alike
                 raise ShareError(unreachable(repo, name, remote, gone)) from None
             full = storage_refused(problems) if str(url).startswith("s3://") else None
@@ -159,28 +160,39 @@ def check_bucket(repo, name: str, url: str) -> None:
                          f"Forbidden ({e}); {set_keys(name)}") from None
 
 
+class EndpointGone(Exception):
+    """A request refused before it is sent: an earlier one found the endpoint gone (args[0])."""
+
+
+def unwrapped(e: BaseException | None) -> BaseException | None:
+    return e.args[0] if isinstance(e, EndpointGone) else e
+
+
 def fail_fast() -> None:
-    """Once a request finds the endpoint gone (after botocore's 5 tries, 13 s), every later one
-    fails at once the same way: a server that dies mid-push would otherwise cost each file
-    still to send its own 13 s, 4 per CPU at a time (137 s for 139 files here). What was sent
-    stays, and a rerun sends the rest. On s3fs's class: DVC makes an instance per remote
-    object, and this process pushes to one remote, then exits. botocore's public retry settings
-    (AWS_MAX_ATTEMPTS) would cut every request's tries, not only those after the endpoint went;
-    the private method is pinned by tests/test_private_names.py."""
-    from s3fs import S3FileSystem
+    """Once a request finds the endpoint gone (after botocore's tries: 5, 13 s), every later one
+    fails at once: a server that dies mid-push would otherwise cost each file still to send its
+    own 13 s, 4 per CPU at a time (137 s for 139 files here). What was sent stays, and a rerun
+    sends the rest. Configured, not patched: fsspec's config gives every s3fs instance DVC makes
+    (one per remote lookup) a botocore session with two event hooks; EndpointGone is no
+    connection error, so neither botocore nor s3fs retries it. botocore's retry settings
+    (AWS_MAX_ATTEMPTS) would cut every request's tries, not only those after the endpoint went."""
+    import fsspec.config
+    from aiobotocore.session import AioSession
 
-    call, gone = S3FileSystem._call_s3, []
+    gone: list[BaseException] = []
 
-    async def unless_gone(self, *args, **kwargs):
+    def note(exception: BaseException | None = None, **_) -> None:  # a call failed, tries spent
+        if isinstance(exception, s3_unreachable()) and not gone:
+            gone.append(exception)
+
+    def refuse(**_) -> None:
         if gone:
-            raise type(gone[0])(**gone[0].kwargs)
-        try:
-            return await call(self, *args, **kwargs)
-        except s3_unreachable() as e:
-            gone.append(e)
-            raise
+            raise EndpointGone(gone[0])
 
-    S3FileSystem._call_s3 = unless_gone
+    session = AioSession()
+    session.register("after-call-error.s3", note)
+    session.register("before-send.s3", refuse)
+    fsspec.config.conf.setdefault("s3", {})["session"] = session
 
 
 def set_keys(name: str) -> str:
