@@ -284,9 +284,17 @@ def serve(path: Path) -> None:
         print(f"warm: serving {path.name} {time.monotonic() - started:.1f} s after start",
               flush=True)
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children reap themselves
+        # From here a SIGTERM only wakes the loop: raised amid callers it lands mostly inside
+        # os.fork, whose at-fork hooks swallow exceptions, and the process would serve on.
+        wake, woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(woken)
+        signal.signal(signal.SIGTERM, lambda *_: None)
         last = time.monotonic()
         while True:
-            if not select.select([server], [], [], TICK_S)[0]:
+            ready = select.select([server, wake], [], [], TICK_S)[0]
+            if wake in ready:
+                break
+            if not ready:
                 # Idle; or the checkout it runs from was deleted (a sweep worker's clone):
                 # nothing there can call it again.
                 if time.monotonic() - last > IDLE_S or not os.path.exists(__file__):
@@ -295,8 +303,10 @@ def serve(path: Path) -> None:
             last = time.monotonic()
             conn, _ = server.accept()
             if os.fork() == 0:
+                signal.set_wakeup_fd(-1)
                 server.close()
-                os.close(lock)
+                for fd in (lock, wake, woken):
+                    os.close(fd)
                 for sig in (signal.SIGCHLD, signal.SIGTERM):
                     signal.signal(sig, signal.SIG_DFL)
                 try:
