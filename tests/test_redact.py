@@ -130,7 +130,7 @@ def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres): 
     assert SECRET not in refused.stdout + refused.stderr, refused.stderr
     assert "password=***" in refused.stderr
 
-    uri = create_database(postgres, "masked_sweep") + f"?password={SECRET}&sslmode=disable"
+    uri = create_database(postgres, "masked_sweep", schema=False) + f"?password={SECRET}&sslmode=disable"
     proc = subprocess.Popen([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml",
                              "--trials", "1", "--study", "masked", "--storage", uri], cwd=repo,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -197,7 +197,7 @@ def test_a_sweep_on_two_workers_prunes_restores_and_survives_a_killed_worker(tmp
     """On an S3 DVC remote whose keys only the coordinator's .dvc/config.local holds: the
     workers get them in their environment, and another machine restores the best trial."""
     repo = project(tmp_path, TINY, s3)
-    uri = create_database(postgres, "sweep")
+    uri = create_database(postgres, "sweep", schema=False)
     study = "tiny"
     coordinator = sweep(repo, s3_client_env(tmp_path, REPROTRAIN_SWEEP_STORAGE=uri), study)
     try:
@@ -315,7 +315,7 @@ def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgr
     from stages.sweep import slurm as launcher
 
     repo = project(tmp_path, TINY.replace("trials: 8", "trials: 4"))
-    uri = create_database(postgres, "slurm_sweep")
+    uri = create_database(postgres, "slurm_sweep", schema=False)
     env = env_with(REPROTRAIN_SWEEP_STORAGE=uri, **slurm)
     coordinator = sweep(repo, env, "onslurm", "--launcher", "slurm")
     try:

@@ -110,6 +110,8 @@ def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run
                "secrets.AWS_ACCESS_KEY_ID": s3.access_key,
                "secrets.AWS_SECRET_ACCESS_KEY": s3.secret_key}
     (job,) = workflow("pipeline.yml")["jobs"].values()
+    assert job["env"]["FAST"].startswith("-S ")
+    job["env"]["FAST"] = "-S epochs=2 -S model.width=8"  # the steps as written, smaller runs
     path = setup_python(tmp_path)
 
     def fresh_run(name: str) -> tuple[str, dict]:
