@@ -224,6 +224,7 @@ else:
 SLOW: dict[str, str | tuple[str, ...]] = {
     "test_bench.py": (
         "test_quick_bench_runs_every_row_and_writes_its_outputs",
+        "test_storage_bench_times_both_remotes_and_leaves_nothing_behind",
     ),
     "test_checkpoints.py": (
         "test_kill_during_a_checkpoint_write_loses_nothing",
@@ -314,11 +315,19 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_two_processes_log_to_one_new_sqlite_store_at_once",
     ),
     "test_ui.py": "*",
-    "test_warm.py": (
+    "test_warm.py": (  # each starts a warm process: 15-20 s of imports before it serves
+        "test_a_lone_stage_starts_no_warm_process_and_a_second_one_does",
         "test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other",
         "test_a_warm_pipeline_writes_the_bytes_a_cold_one_writes",
+        "test_a_warm_process_ends_soon_after_its_checkout_is_deleted",
+        "test_a_warm_stage_derives_what_imports_set_from_its_own_callers_temp_folder",
+        "test_a_warm_stage_draws_its_own_seeds_and_passes_no_interpreter_flags_on",
+        "test_a_warm_stage_runs_the_callers_code_and_ends_as_a_cold_one_does",
+        "test_a_warm_stage_shows_its_own_name",
         "test_ctrl_c_reaches_a_warm_stage_and_sigkill_takes_it_with_its_caller",
         "test_ctrl_z_stops_a_warm_stage_and_fg_resumes_it",
+        "test_shell_prompts_and_an_activated_venv_share_the_warm_process_of_make_and_dvc",
+        "test_the_first_start_says_what_it_is_and_how_to_turn_it_off_on_a_terminal",
     ),
     "test_workflows.py": (
         "test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run_cache",
