@@ -1,8 +1,12 @@
 """Other libraries' private names this project still uses, each pinned here so that an upgrade
 that moves one fails in seconds, naming it, instead of deep in a stage. Each use says why it is
-private (no public equivalent) beside it."""
+private (no public equivalent) beside it; each test names the version it was checked on, and
+fails on another one until someone checks the name there and moves the pin."""
 
 from __future__ import annotations
+
+import importlib.util
+import sys
 
 
 def test_the_interpreters_own_shutdown_steps_exist():
@@ -10,6 +14,7 @@ def test_the_interpreters_own_shutdown_steps_exist():
     import atexit
     import threading
 
+    assert sys.version_info[:2] == (3, 11), "checked on CPython 3.11: recheck exit_now's names"
     assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)
 
 
@@ -18,5 +23,16 @@ def test_torch_exports_dtype_table_reads_what_export_writes():
     import torch
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
+    assert torch.__version__.split("+")[0] == "2.14.1", \
+        "checked on torch 2.14.1: recheck _SERIALIZE_TO_TORCH_DTYPE in predict.pt2_weights"
     assert torch.float32 in _SERIALIZE_TO_TORCH_DTYPE.values()
     assert all(isinstance(d, torch.dtype) for d in _SERIALIZE_TO_TORCH_DTYPE.values())
+
+
+def test_the_heavy_modules_looked_up_by_name_exist():
+    # stages/lib/cli.py HEAVY_IMPORTS: torch.compile's compiler modules, looked up in sys.modules
+    # only; one that moved would read as never imported and the no-heavy-import test pass blind.
+    from stages.lib.cli import HEAVY_IMPORTS
+
+    for name in HEAVY_IMPORTS:
+        assert importlib.util.find_spec(name) is not None, f"{name} is gone: update HEAVY_IMPORTS"

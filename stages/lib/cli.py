@@ -28,7 +28,8 @@ from stages.lib.errors import UserError
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
 # Libraries that cost a second or more to import: which of them a stage loaded. Names looked up in
-# sys.modules only (torch.compile's private compiler modules too): one that moves reads as absent.
+# sys.modules only (torch.compile's private compiler modules too), each pinned by
+# tests/test_private_names.py: one that moved would read as absent.
 HEAVY_IMPORTS = ("sklearn", "scipy", "torch._dynamo", "torch._inductor", "torch.onnx", "mlflow",
                  "matplotlib", "onnxruntime", "torchvision")
 
