@@ -6,6 +6,8 @@ Training, evaluation, export checks and the bench all use these; none of them ne
 from __future__ import annotations
 
 import os
+import platform
+import re
 import resource
 from pathlib import Path
 
@@ -44,6 +46,22 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_name() -> str:
+    try:
+        return re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text()).group(1).strip()
+    except (OSError, AttributeError):
+        return platform.processor() or platform.machine()
+
+
+def made_on(device: torch.device) -> dict:
+    """What decides a run's last bits beyond the code, params and requirements.lock that DVC
+    hashes: the GPU, or the CPU and torch's thread count. Not a dependency, so that a
+    teammate's run-cache still restores here; recorded instead, and `make repro` compares."""
+    if device.type == "cuda":
+        return {"gpu": torch.cuda.get_device_name(device)}
+    return {"cpu": cpu_name(), "threads": torch.get_num_threads()}
 
 
 def resolve_precision(name: str, device: torch.device) -> str:

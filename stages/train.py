@@ -1,4 +1,4 @@
-"""Stage train: data/prepared/ -> models/train/ (model.pt, metrics.json, history.csv).
+"""Stage train: data/prepared/ -> models/train/ (model.pt, metrics.json, history.csv, made_on.json).
 
 Also models/train/run.json, not a DVC output: the MLflow run that evaluate and export log into.
 """
@@ -32,7 +32,7 @@ from stages.lib.paths import repo_root
 from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params
-from stages.runtime import resolve_device
+from stages.runtime import made_on, resolve_device
 from stages.sweep import trial
 from stages.team import share
 
@@ -140,17 +140,19 @@ def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking
                "num_params": count_params(result.model)}
     history = csv_text(HISTORY, ([round(r[k], 6) if isinstance(r[k], float) else r[k]
                                   for k in HISTORY] for r in result.history))
+    where = made_on(torch.device(result.device))
     # All or none: a failed write must not leave a new model beside the previous metrics.
     atomic_write_all(weights.writes(TRAIN_DIR / "model.pt", result.model, params.model, meta,
                                        result.best_epoch)
                      | {TRAIN_DIR / "metrics.json": text_writer(json_text(metrics)),
-                        TRAIN_DIR / "history.csv": text_writer(history)})
+                        TRAIN_DIR / "history.csv": text_writer(history),
+                        TRAIN_DIR / "made_on.json": text_writer(json_text(where))})
     STAGE_TIMES["loop_s"] = result.loop_s
     run.set_tags({"device": result.device, "precision": result.precision,
-                  "loader": result.loader})
+                  "loader": result.loader, **where})
     run.log_metrics(metrics | {"train_s": result.loop_s, "samples_per_s":
                                statistics.median(r["samples_per_s"] for r in result.history)})
-    for name in ("metrics.json", "history.csv"):
+    for name in ("metrics.json", "history.csv", "made_on.json"):
         run.log_artifact(TRAIN_DIR / name, "train")
     tracking.link_model(run, TRAIN_DIR / "model.pt")
 

@@ -122,6 +122,45 @@ def test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back(
     assert "up to date" in run(["dvc", "status"], repo).stdout
 
 
+# train's shape where `make repro` looks: weights and the made_on.json the real function writes.
+MADE_ON_STAGE = """\
+stages:
+  train:
+    cmd: mkdir -p models/train && python -c "import json, torch; from stages.runtime import made_on;
+      t = torch.get_num_threads(); open('models/train/model.bin', 'w').write(str(t));
+      open('models/train/made_on.json', 'w').write(json.dumps(made_on(torch.device('cpu'))))"
+    params:
+      - seed
+    outs:
+      - models/train/model.bin
+      - models/train/made_on.json
+"""
+
+
+def test_make_repro_says_when_the_model_was_made_under_another_thread_count(dvc_repo, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(dvc_repo, repo, symlinks=True)
+    (repo / "dvc.yaml").write_text(MADE_ON_STAGE)
+    p = make(repo, "repro", OMP_NUM_THREADS="1")
+    assert p.returncode == 0 and "note:" not in p.stdout + p.stderr, p.stdout + p.stderr
+    params = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(params.replace("seed: 42", "seed: 7"))
+    assert make(repo, "repro", OMP_NUM_THREADS="2").returncode == 0
+    (repo / "params.yaml").write_text(params)  # back: DVC restores the 1-thread run from its cache
+
+    p = make(repo, "repro", OMP_NUM_THREADS="2")
+    assert p.returncode == 0, p.stderr
+    assert (repo / "models/train/model.bin").read_text() == "1"  # restored, not rerun
+    notes = [line for line in p.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, p.stdout
+    assert " with 1 thread (made_on.json), this machine trains on " in notes[0], notes[0]
+    assert notes[0].endswith(" with 2 threads: a rerun here gives other last bits (`make verify` "
+                             "would name them). DVC restores outputs made under any thread count "
+                             "from its run-cache; `dvc repro -f train` remakes them here"), notes[0]
+    p = make(repo, "repro", OMP_NUM_THREADS="1")  # the machine that made them: nothing to say
+    assert p.returncode == 0 and "note:" not in p.stdout + p.stderr, p.stdout
+
+
 # ------------------------------------------------------------ make exps
 
 # A stage with the pipeline's shape where make exps looks: a params dep, the data folder

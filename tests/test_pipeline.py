@@ -59,7 +59,7 @@ def exps_table(path) -> list[str]:
 def test_repro_writes_every_output(repo):
     for f in ("data/prepared/meta.json", "data/prepared/train.pt", "models/train/model.pt",
               "models/train/model.sha256", "models/train/metrics.json", "models/train/history.csv",
-              "models/train/run.json",
+              "models/train/run.json", "models/train/made_on.json",
               "models/eval/metrics.json", "models/eval/confusion.csv", "models/eval/confusion.png",
               "models/eval/misclassified.png", "models/eval/per_class.csv",
               "models/export/model.onnx", "models/export/model.pt2",
@@ -71,6 +71,8 @@ def test_repro_writes_every_output(repo):
     # Only what is worth comparing: no run ids or timings in what DVC and git keep.
     assert set(json.loads((repo / "models/train/metrics.json").read_text())) == {
         "best_val_acc", "best_val_loss", "best_epoch", "epochs_run", "num_params"}
+    # Where the weights were made, and nothing that differs between runs on one machine.
+    assert set(json.loads((repo / "models/train/made_on.json").read_text())) == {"cpu", "threads"}
     history = (repo / "models/train/history.csv").read_text().splitlines()
     assert history[0] == "epoch,train_loss,train_acc,val_loss,val_acc,lr,grad_norm"
     assert len(history) == 1 + 3
@@ -113,8 +115,10 @@ def test_one_mlflow_run_holds_params_metrics_and_artifacts(repo):
     # Grouped for the chart view; per-class figures are a table artifact, not 30 metrics.
     assert {m.split("/")[0] for m in r.data.metrics} == {"train", "val", "eval", "perf", "model"}
     assert r.data.tags["git_commit"] and r.data.tags["precision"] in ("bf16", "fp32")
+    made_on = json.loads((repo / "models/train/made_on.json").read_text())
+    assert {k: r.data.tags[k] for k in made_on} == {k: str(v) for k, v in made_on.items()}
     artifacts = {a.path for top in ("train", "eval", "export") for a in client.list_artifacts(run_id, top)}
-    assert {"train/history.csv", "eval/per_class.csv", "eval/confusion.png",
+    assert {"train/history.csv", "train/made_on.json", "eval/per_class.csv", "eval/confusion.png",
             "export/model.onnx"} <= artifacts
     # Artifacts live in the workspace next to the store, not in a temporary copy.
     assert r.info.artifact_uri.startswith((repo / "mlartifacts").as_uri())
@@ -283,6 +287,7 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
     hit = by_lr["0.003"]
     assert hit.data.tags["restored_from_run_cache"] == "true"
     assert hit.data.tags["training_run_id"] == first_training != hit.info.run_id
+    assert hit.data.tags["threads"] == before[0].data.tags["threads"]  # where the weights were made
     assert "eval/accuracy" in hit.data.metrics and "val/best_acc" in hit.data.metrics
     for r in new:
         tags = r.data.tags

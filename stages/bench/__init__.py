@@ -5,20 +5,12 @@ and DVC's storage (a folder remote against S3)."""
 from __future__ import annotations
 
 import os
-import platform
-import re
-from pathlib import Path
 
 
 def cpu_label() -> str:
     """The CPU a figure came from: results differ between CPUs with and without bf16."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        name = re.search(r"model name\s*:\s*(.+)", info).group(1).strip()
-    except (OSError, AttributeError):
-        name = platform.processor() or platform.machine()
-    from stages.runtime import cpu_has_bf16  # torch: only once a bench has run
+    from stages.runtime import cpu_has_bf16, cpu_name  # torch: only once a bench has run
 
     bf16 = "bf16 (AMX/AVX512-BF16)" if cpu_has_bf16() else "no bf16: fp32"
-    return f"{name}, {os.cpu_count()} cores, {bf16}"
+    return f"{cpu_name()}, {os.cpu_count()} cores, {bf16}"
 

@@ -1,9 +1,16 @@
 """`make verify`'s verdict: `python -m stages.team.verify OLD_LOCK` compares dvc.lock after a forced
 rerun of every stage with OLD_LOCK, the one before it; names the outputs whose hashes changed
-and how to get the previous ones back."""
+and how to get the previous ones back.
+
+`python -m stages.team.verify --here` (after `make repro`, before `make verify`): one line when
+the trained model in the workspace was made on another CPU, thread count or GPU than this
+machine trains with. DVC cannot say it: its run-cache restores outputs made under any thread
+count, since what is not a dependency cannot split its key, and a teammate's cache should
+restore (`make share`)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +36,34 @@ def git(*args: str) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> str | None:
+    try:
+        then = json.loads(made_on_file.read_text())
+    except (OSError, ValueError):
+        return None  # not trained yet, or by a version that did not record it
+    from stages.config import load_params
+    from stages.runtime import made_on, resolve_device
+
+    here = made_on(resolve_device(load_params().train.device))
+    if then == here:
+        return None
+
+    def machine(m: dict) -> str:
+        n = m.get("threads")
+        return m.get("gpu") or f"{m.get('cpu')} with {n} thread{'s' if n != 1 else ''}"
+
+    return (f"note: {made_on_file.parent}/ was made on {machine(then)} ({made_on_file.name}), "
+            f"this machine trains on {machine(here)}: a rerun here gives other last bits "
+            "(`make verify` would name them). DVC restores outputs made under any thread count "
+            "from its run-cache; `dvc repro -f train` remakes them here")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--here"]:
+        note = made_elsewhere()
+        if note:
+            print(note)
+        return
     old_lock = Path(sys.argv[1])
     before, after = output_hashes(old_lock.read_text()), output_hashes(Path("dvc.lock").read_text())
     changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))

@@ -219,8 +219,12 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
             for row in csv.DictReader(f):
                 run.log_metrics({k: float(v) for k, v in row.items() if k != "epoch"},
                                 step=int(row["epoch"]))
-        for name in ("metrics.json", "history.csv"):
-            run.log_artifact(train_dir / name, "train")
+        made_on = train_dir / "made_on.json"
+        if made_on.exists():  # where the weights were made, which need not be here
+            run.set_tags(json.loads(made_on.read_text()))
+        for name in ("metrics.json", "history.csv", "made_on.json"):
+            if (train_dir / name).exists():
+                run.log_artifact(train_dir / name, "train")
         if run.run_id:
             _write_link(link_file, run, md5)
         yield run
