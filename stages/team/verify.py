@@ -53,7 +53,7 @@ def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> st
         return m.get("gpu") or f"{m.get('cpu')} with {n} thread{'s' if n != 1 else ''}"
 
     return (f"note: {made_on_file.parent}/ was made on {machine(then)} ({made_on_file.name}), "
-            f"this machine trains on {machine(here)}: a rerun here gives other last bits "
+            f"here training runs on {machine(here)}: a rerun gives other last bits "
             "(`make verify` would name them). DVC restores outputs made under any thread count "
             "from its run-cache; `dvc repro -f train` remakes them here")
 
