@@ -4,7 +4,6 @@ augments it is `batches.py`."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 from collections.abc import Callable
@@ -17,7 +16,6 @@ from torch import Tensor
 
 from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
-from stages.lib.paths import repo_root
 
 SPLITS = ("train", "val", "test")
 
@@ -64,16 +62,3 @@ def load_split(prepared: Path, name: str) -> Split:
 def normalize(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     """uint8 (N, C, H, W) on any device to normalized float; mean/std shaped (C,)."""
     return (x.float().div_(255) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-
-
-def raw_data(source: str, root: str) -> Path:
-    """Where a source's raw data lives on this machine, which the run's dataset record names:
-    scikit-learn ships the digits; every other source reads `data.root`."""
-    return digits_file() if source == "digits" else (repo_root() / root).resolve()
-
-
-def digits_file() -> Path:
-    """scikit-learn's handwritten digits as it ships them, found without importing scikit-learn
-    (seconds): the digits source reads it, and the run's dataset record names it."""
-    return Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
-                "datasets", "data", "digits.csv.gz")

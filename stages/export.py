@@ -133,7 +133,8 @@ def main() -> None:
                        ("model.safetensors", safetensors), ("model.json", description.encode())]})
 
     evaluation = json.loads((EVAL_DIR / "metrics.json").read_text())
-    with tracking.experiment_run(params.mlflow, flatten(params), load_meta(PREPARED), TRAIN_DIR) as run:
+    meta = load_meta(PREPARED)
+    with tracking.experiment_run(params.mlflow, flatten(params), meta, TRAIN_DIR) as run:
         # DVC skips evaluate when its committed results are this very model's (a fresh clone
         # retrains to the same bytes): the run gets them here, as the figures it is exported with.
         if not run.has_metric("eval/accuracy"):
@@ -141,8 +142,9 @@ def main() -> None:
         for name in ("model.onnx", "model.json", "model.safetensors"):
             run.log_artifact(EXPORT_DIR / name, "export")
         # The served model: images in, labels out, over the ONNX file just written (no pickle,
-        # no torch to load it). Named after what it is (`cnn-digits`), not MLflow's `model`.
-        name = f"{trained.arch}-{params.data.source}"
+        # no torch to load it). Named after what it is (`cnn-digits`), not MLflow's `model`:
+        # the data it was trained on, as prepare recorded it.
+        name = f"{trained.arch}-{meta['source']}"
         with quiet_type_hints():
             info = (run.log_served_model(name, **model_kwargs(EXPORT_DIR, png_base64(
                 test.x[:2].numpy()))) if cfg.log_model else None)

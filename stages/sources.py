@@ -10,7 +10,7 @@ writer of small ones there):
   (its raw data, or where a download goes) and the `data` section only; `scratch` is
   data/prepared/, where it may put memory-mapped `.<name>.npy` files (prepare removes them).
   One whose raw data is not under `data.root` (digits: scikit-learn's file) adds its case to
-  `data.raw_data`, the path MLflow's dataset record names (else that names `data.root`).
+  `raw_data` below, the path MLflow's dataset record names (else that names `data.root`).
 - Splits: `Loaded.splits` holds exactly "train", "val" and "test" (`data.SPLITS`), each a
   `Split` with `x` uint8 `(N, data.channels, data.image_size, data.image_size)` and `y` int64
   `(N,)` in `0..len(classes) - 1`; every class is in train. A dataset's own test split is kept;
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -43,9 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.config import DataConfig
-from stages.data import SPLITS, Split, digits_file
+from stages.data import SPLITS, Split
 from stages.lib.files import write_error
 from stages.lib.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
+from stages.lib.paths import repo_root
 
 
 @dataclass
@@ -98,6 +100,19 @@ SOURCES: dict[str, Callable[[DataConfig, int, Path], Loaded]] = {
     "mnist": partial(from_torchvision, "mnist"),
     "fashion_mnist": partial(from_torchvision, "fashion_mnist"),
 }
+
+
+def raw_data(source: str, root: str) -> Path:
+    """Where a source's raw data lives on this machine, which the run's dataset record names:
+    scikit-learn ships the digits; every other source reads `data.root`."""
+    return digits_file() if source == "digits" else (repo_root() / root).resolve()
+
+
+def digits_file() -> Path:
+    """scikit-learn's handwritten digits as it ships them, found without importing scikit-learn
+    (seconds)."""
+    return Path(importlib.util.find_spec("sklearn").submodule_search_locations[0],
+                "datasets", "data", "digits.csv.gz")
 
 
 def from_arrays(x: Tensor, y: Tensor, cfg: DataConfig, seed: int,

@@ -97,7 +97,7 @@ def test_digits_are_scikit_learns_read_without_importing_it():
 
 
 def test_the_dataset_record_names_where_the_raw_data_lives():
-    from stages.data import raw_data
+    from stages.sources import raw_data
 
     assert raw_data("digits", "data/raw").name == "digits.csv.gz"
     assert raw_data("digits", "data/raw").is_file()  # inside scikit-learn, not data.root

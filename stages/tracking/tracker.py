@@ -266,7 +266,7 @@ def _log_dataset(meta: dict, root: str) -> None:
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    from stages.data import raw_data  # here: `make ui` imports this module, not torch
+    from stages.sources import raw_data  # here: `make ui` imports this module, not torch
 
     where = raw_data(meta["source"], root)
     with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
