@@ -221,7 +221,9 @@ def dvc_problems() -> Iterator[list[logging.LogRecord]]:
 def push(repo, problems: list[logging.LogRecord]) -> str:
     """The outputs, then the files the run-cache names, then the run-cache entries: an
     entry on the remote only once what it names is there, so another machine that finds an
-    entry finds its files, even after a push that stopped halfway."""
+    entry finds its files, even after a push that stopped halfway. DVC's own
+    `push(run_cache=True)` (`dvc push --run-cache`) sends the entries first, and of the files
+    only the workspace's: the `cache: false` copies of other runs would never arrive."""
     from dvc.exceptions import UploadError
     from dvc.stage.cache import RunCacheNotSupported
     from dvc_data.hashfile.hash_info import HashInfo
