@@ -33,6 +33,15 @@ def test_the_top_of_stages_holds_the_experiment_and_the_tools_have_packages():
     assert summary(edges)["cycles"] == 0
 
 
+def test_the_code_maps_picture_draws_from_this_checkout(tmp_path):
+    """docs/code-map.md's command, as written: it drew nothing once stages/__init__ imported."""
+    out = tmp_path / "imports.png"
+    p = subprocess.run([sys.executable, "-m", "stages.bench.imports", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p.stderr
+    assert p.stdout.startswith("modules=") and "cycles=0" in p.stdout.splitlines()[0]
+
+
 def test_no_module_of_stages_imports_the_tests():
     """stages/ is the shipped package: tests/ is not installed beside it."""
     found = []

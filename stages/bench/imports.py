@@ -114,7 +114,8 @@ def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     def package(m: str) -> str | None:
-        return m.split(".")[1] if m.count(".") > 1 or packages_of(edges) & {m} else None
+        return m.split(".")[1] if m.count(".") > 1 or m.count(".") == 1 and m in packages_of(edges) \
+            else None  # the top of stages/, and stages/__init__ itself (the warm hand-off)
 
     imported = set().union(*edges.values())
     shown = {m: bs for m, bs in edges.items()  # not a package that is only a docstring
