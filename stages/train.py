@@ -93,7 +93,7 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         if rank != 0:
             return
         watch.check(force=True)  # the last chance before a result is recorded under its params
-        write_outputs(result, params, meta, run)
+        write_outputs(result, params, meta, run, world)
 
     remove_run(ckpt_dir, repo_root())  # complete: model.pt holds the result
     print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
@@ -132,7 +132,8 @@ def run_tags(key: str, meta: dict, world: int) -> dict:
             "world_size": world}
 
 
-def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking.Tracker) -> None:
+def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking.Tracker,
+                  world: int) -> None:
     """models/train/, and the same figures and files to the run."""
     # What is worth comparing between experiments; timings and ids go to MLflow only.
     metrics = {"best_val_acc": result.best_val_acc, "best_val_loss": result.best_val_loss,
@@ -140,7 +141,7 @@ def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking
                "num_params": count_params(result.model)}
     history = csv_text(HISTORY, ([round(r[k], 6) if isinstance(r[k], float) else r[k]
                                   for k in HISTORY] for r in result.history))
-    where = made_on(torch.device(result.device))
+    where = made_on(torch.device(result.device), world)
     # All or none: a failed write must not leave a new model beside the previous metrics.
     atomic_write_all(weights.writes(TRAIN_DIR / "model.pt", result.model, params.model, meta,
                                        result.best_epoch)

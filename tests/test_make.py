@@ -305,3 +305,39 @@ def test_setup_says_what_pip_does_through_its_silences(tmp_path):
     said = out.getvalue()
     assert "  ... pip is unpacking 2 packages into .venv (0:0" in said, said
     assert said.rstrip().endswith("installed 2 packages in 0:01"), said
+
+
+@pytest.mark.parametrize("record", ["[]", "null", '"x"', "1", "{}", '{"gpu": ""}',
+                                    '{"threads": 2}', "", "\xff\xfe", None])
+def test_make_repros_note_says_nothing_of_a_record_it_cannot_read(tmp_path, monkeypatch, record):
+    # Issue 42.10, second pass: `[]` failed make repro with a traceback.
+    from stages.team.verify import made_elsewhere
+
+    monkeypatch.chdir(tmp_path)
+    copy_params(tmp_path)
+    made_on = tmp_path / "made_on.json"
+    if record is None:
+        made_on.mkdir()
+    else:
+        made_on.write_text(record, errors="surrogateescape")
+    assert made_elsewhere(made_on) is None
+
+
+def test_make_repros_note_on_a_machine_that_cannot_train_as_params_say(tmp_path, monkeypatch):
+    # A teammate's GPU run, restored on a machine without CUDA: a note, never a failed make repro.
+    import torch
+
+    from stages.team.verify import made_elsewhere
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: train.device=cuda trains")
+
+    monkeypatch.chdir(tmp_path)
+    params = copy_params(tmp_path)
+    params.write_text(params.read_text().replace("  device: auto", "  device: cuda"))
+    made_on = tmp_path / "made_on.json"
+    made_on.write_text('{"gpu": "NVIDIA H200\\u001b[31m"}')
+    note = made_elsewhere(made_on)
+    assert note.startswith(f"note: {tmp_path}/ was made on NVIDIA H200?[31m (made_on.json); it "
+                           "could not be trained again here: params.yaml: train.device='cuda' "
+                           "but CUDA is not available"), note

@@ -36,3 +36,14 @@ def test_the_heavy_modules_looked_up_by_name_exist():
 
     for name in HEAVY_IMPORTS:
         assert importlib.util.find_spec(name) is not None, f"{name} is gone: update HEAVY_IMPORTS"
+
+
+def test_torch_compiles_debug_folder_is_found_again():
+    # stages/lib/warm.py stage(): the debug folder torch._dynamo.config derived from the warm
+    # process's working folder as it loaded, found again from the caller's.
+    import torch
+    import torch._dynamo.config as dynamo
+
+    assert torch.__version__.split("+")[0] == "2.14.1", \
+        "checked on torch 2.14.1: recheck debug_dir_root in warm.stage"
+    assert isinstance(dynamo.debug_dir_root, str) and callable(dynamo.default_debug_dir_root)

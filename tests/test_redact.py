@@ -30,6 +30,9 @@ FORMS = {
     f"postgresql://u@h/db?sslpassword={SECRET}": "postgresql://***@h/db?sslpassword=***",
     f"mssql+pyodbc://h/db?client_secret={SECRET}#x": "mssql+pyodbc://h/db?client_secret=***#x",
     f"postgresql://h/db?api_token={SECRET}": "postgresql://h/db?api_token=***",
+    f"https://h/x?api_key={SECRET}&apikey={SECRET}": "https://h/x?api_key=***&apikey=***",
+    f"https://b.s3/k?X-Amz-Credential=AK&X-Amz-Signature={SECRET}":
+        "https://b.s3/k?X-Amz-Credential=***&X-Amz-Signature=***",
     # libpq keyword strings
     f"host=db password={SECRET} dbname=mlflow": "host=db password=*** dbname=mlflow",
     f"host=db password = {SECRET} dbname=mlflow": "host=db password = *** dbname=mlflow",

@@ -571,6 +571,22 @@ def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_c
     assert not (again / ".dvc/config.local").exists()
 
 
+@pytest.mark.parametrize("url", ["https://ghp_S3cr3tT0ken@127.0.0.1:9/dvcstore",
+                                 "https://u:S3cr3tT0ken@127.0.0.1:9/dvcstore"])
+def test_a_dvc_remote_with_a_token_or_password_in_its_url_never_reaches_the_study(tmp_path,
+                                                                                 capsys, url):
+    # Issue 42.3, second pass: only a password was refused; a token as the user name went into
+    # the study's attributes and every worker's config.
+    from stages.sweep.worker import shared_dvc_remote
+
+    run(["git", "init", "-q", str(tmp_path)], tmp_path)
+    run(["dvc", "init", "-q"], tmp_path)
+    run(["dvc", "remote", "add", "-d", "--local", "r", url], tmp_path)
+    assert shared_dvc_remote(tmp_path) == {}
+    said = capsys.readouterr().err
+    assert "password or a token in its URL" in said and "S3cr3tT0ken" not in said
+
+
 def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_cause(tmp_path):
     """Every trial failed `Unable to locate credentials` (an S3 remote without keys), and `make
     sweep` exited 0: now 1, with one line that names the first failed trial's cause."""

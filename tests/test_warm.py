@@ -209,7 +209,7 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
 # A params stage that reports what its process inherited, as a user's own code in a stage would
 # see it: the variables the warm process's imports set, its seeds, flags and name.
 PROBE = '''
-import importlib, json, os, sys
+import importlib, json, multiprocessing, os, sys
 from stages.lib.warm import PRELOAD, in_warm_child
 for name in PRELOAD:  # a cold process imports what the warm one has: both then set the same
     importlib.import_module(name)
@@ -217,7 +217,9 @@ import torch
 print("probe:" + json.dumps({
     "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "KMP_"))},
     "seed": torch.initial_seed(), "rand": torch.rand(1).item(), "safe_path": sys.flags.safe_path,
-    "comm": open("/proc/self/comm").read().strip(), "warm": in_warm_child()}))
+    "comm": open("/proc/self/comm").read().strip(), "warm": in_warm_child(),
+    "debug_dir": torch._dynamo.config.debug_dir_root,
+    "authkey": multiprocessing.current_process().authkey.hex()}))
 '''
 
 
@@ -259,6 +261,8 @@ def test_a_warm_stage_derives_what_imports_set_from_its_own_callers_temp_folder(
         assert serving(sock) and warm_["warm"] and not cold["warm"]
         assert warm_["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(f"{later}/")
         assert warm_["env"] == cold["env"]
+        # And from its caller's folder: TORCH_COMPILE_DEBUG wrote to /torch_compile_debug.
+        assert warm_["debug_dir"] == cold["debug_dir"] == str(repo / "torch_compile_debug")
     finally:
         first.unlink(missing_ok=True)
         shutil.rmtree(later)
@@ -354,6 +358,7 @@ def test_a_warm_stage_draws_its_own_seeds_and_passes_no_interpreter_flags_on(pro
     warmed(repo, env)
     one, two = probe(repo, env), probe(repo, env)
     assert one["seed"] != two["seed"] and one["rand"] != two["rand"]
+    assert one["authkey"] != two["authkey"]  # multiprocessing's, which its workers check
     assert one["safe_path"] is two["safe_path"] is False
 
 

@@ -152,13 +152,13 @@ def exit_now() -> typing.NoReturn:
 
 
 def stop_on_signals() -> None:
-    """SIGTERM (`kill`, systemd, or make passing its own on) and SIGHUP (a closed terminal) stop
-    a long-running command as Ctrl-C does: a KeyboardInterrupt, so that its `finally` stops the
-    servers it started in sessions of their own, which Python's default death would leave
-    running. Only the first of the three: `kill` of make's whole group reaches this process
-    twice (make passes its SIGTERM on), and a second, or a Ctrl-C after a SIGTERM, would cut the
-    first one's clean-up short."""
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    """SIGTERM (`kill`, systemd, or make passing its own on), SIGHUP (a closed terminal) and
+    SIGQUIT (Ctrl-\\) stop a long-running command as Ctrl-C does: a KeyboardInterrupt, so that
+    its `finally` stops the servers it started in sessions of their own, which Python's default
+    death would leave running. Only the first of them: `kill` of make's whole group reaches this
+    process twice (make passes its SIGTERM on), and a second, or a Ctrl-C after a SIGTERM, would
+    cut the first one's clean-up short."""
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
     def interrupt(signum, frame) -> None:
         for sig in stops:

@@ -15,7 +15,7 @@ import re
 from urllib.parse import unquote_plus
 
 MASK = "***"
-_SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token)[\w.-]*"
+_SECRET_KEY = r"[\w.-]*(?:pass|pwd|secret|token|signature|credential|api[_-]?key)[\w.-]*"
 # scheme://user:PASSWORD@host: the password ends at the last @ before the path; one with a `/`
 # in it (base64 passwords hold them) ends at the first @, where SQLAlchemy ends it, not libpq.
 _USERINFO = re.compile(r"(?P<keep>\b[A-Za-z][\w+.-]*://[^\s/:@]*:)(?:[^\s/]*|[^\s@]*)@")
@@ -56,6 +56,12 @@ def masked(text: str) -> str:
 def holds_password(text: str) -> bool:
     """A password in any form, as SQLAlchemy would read a URI too; a user name alone is none."""
     return _uri_without_password(text) != text
+
+
+def holds_credentials(url: str) -> bool:
+    """A password, or an http(s) URL's user name, where hosts take a token
+    (`https://ghp_...@github.com/`); an SSH URL's (`ssh://git@host/`) is a login name."""
+    return holds_password(url) or bool(re.match(r"https?://[^/@\s]+@", url, re.IGNORECASE))
 
 
 def masked_uri(uri: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -102,12 +101,10 @@ def pinned_commit(remote: str) -> tuple[str, str]:
     def git(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *argv], capture_output=True, text=True)
 
-    from stages.lib.redact import holds_password
+    from stages.lib.redact import holds_credentials
 
     url = git("remote", "get-url", remote).stdout.strip() or remote
-    # An http(s) URL's user name is where hosts take a token (`https://ghp_...@github.com/`):
-    # refused like a password. An SSH URL's (`ssh://git@host/`) is a login name.
-    if holds_password(url) or re.match(r"https?://[^/@\s]+@", url, re.IGNORECASE):
+    if holds_credentials(url):
         # Every worker's `git clone URL` shows it in `ps`, each clone keeps it in .git/config and
         # the study keeps it for every user of its storage.
         raise SweepError(f"REMOTE={shown(remote)}: its URL {shown(url)} holds a password or a "

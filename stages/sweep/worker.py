@@ -221,13 +221,14 @@ def shared_dvc_remote(repo: Path) -> dict[str, str]:
     """The default DVC remote's URL and connection options, for clones that lack it: one added
     with `dvc remote add -d --local` lives in .dvc/config.local, which git does not carry (and
     committing .dvc/config would move HEAD, away from the earlier experiments' commit). Empty when
-    there is none, or when its URL holds a password (the study's attributes are no place for it)."""
-    import urllib.parse
+    there is none, or when its URL holds a password or a token (the study's attributes are no
+    place for them)."""
+    from stages.lib.redact import holds_credentials
 
     name, conf = default_dvc_remote(repo)
-    if urllib.parse.urlsplit(conf.get("url", "")).password:
-        print(f"warning: the DVC remote {name!r} has a password in its URL, so workers get no "
-              "DVC remote from here; commit a remote without it", file=sys.stderr)
+    if holds_credentials(str(conf.get("url", ""))):
+        print(f"warning: the DVC remote {name!r} has a password or a token in its URL, so "
+              "workers get no DVC remote from here; commit a remote without it", file=sys.stderr)
         return {}
     return shared_options(conf)
 

@@ -371,7 +371,9 @@ def main() -> None:
             print("warning: no network namespace here (user namespaces are off): SeaweedFS's "
                   "master, volume, filer and admin ports on 127.0.0.1 answer anyone on this "
                   "machine without a key; see docs/data.md", file=sys.stderr, flush=True)
-        s3.proc.wait()
+        s3.proc.wait()  # returns only if weed ended on its own: killed, or out of memory
+        raise UserError(f"the S3 server stopped (exit {s3.proc.returncode}): see "
+                        f"{s3.folder / 'logs' / 'weed.out'}; `make s3` starts it again")
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
         with contextlib.suppress(OSError):  # stderr may be a terminal that is gone (SIGHUP)
             print("stopping the S3 server", file=sys.stderr, flush=True)

@@ -38,29 +38,46 @@ def git(*args: str) -> str | None:
 
 def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> str | None:
     try:
-        then = json.loads(made_on_file.read_text())
+        then = json.loads(made_on_file.read_text()) if made_on_file.is_file() else None
     except (OSError, ValueError):
-        return None  # not trained yet, or by a version that did not record it
+        then = None
+    if not isinstance(then, dict) or not (then.get("gpu") or then.get("cpu")):
+        return None  # not trained yet, by a version that did not record it, or no record
     from stages.config import load_params
-    from stages.runtime import made_on, resolve_device
-
-    here = made_on(resolve_device(load_params().train.device))
-    if then == here:
-        return None
+    from stages.distributed import requested_processes
+    from stages.runtime import cpu_name, made_on, resolve_device
 
     def machine(m: dict) -> str:
-        n = m.get("threads")
-        return m.get("gpu") or f"{m.get('cpu')} with {n} thread{'s' if n != 1 else ''}"
+        n, shown = m.get("threads"), "".join(c if c.isprintable() else "?" for c in
+                                              str(m.get("gpu") or m.get("cpu")))
+        return shown if m.get("gpu") or n is None else \
+            f"{shown} with {n} thread{'s' if n != 1 else ''}" + \
+            (f" in each of {m['processes']} processes" if m.get("processes") else "")
 
-    return (f"note: {made_on_file.parent}/ was made on {machine(then)} ({made_on_file.name}), "
-            f"here training runs on {machine(here)}: a rerun gives other last bits "
+    where = f"note: {made_on_file.parent}/ was made on {machine(then)} ({made_on_file.name})"
+    try:
+        params = load_params()
+        processes = requested_processes(params.train, params.batch_size)
+        # Under torchrun each process's threads are torchrun's to set: compared no further.
+        here = made_on(resolve_device(params.train.device)) if processes == 1 else \
+            {"cpu": cpu_name(), "processes": processes}
+    except UserError as e:
+        return f"{where}; it could not be trained again here: {e}"
+    if "processes" in here or "processes" in then:
+        then = {k: v for k, v in then.items() if k != "threads"}
+    if then == here:
+        return None
+    return (f"{where}, here training runs on {machine(here)}: a rerun gives other last bits "
             "(`make verify` would name them). DVC restores outputs made under any thread count "
             "from its run-cache; `dvc repro -f train` remakes them here")
 
 
 def main() -> None:
     if sys.argv[1:] == ["--here"]:
-        note = made_elsewhere()
+        try:
+            note = made_elsewhere()
+        except Exception as e:  # noqa: BLE001 - advice only: it never fails `make repro`
+            note = f"note: could not compare where models/train/ was made ({type(e).__name__})"
         if note:
             print(note)
         return
