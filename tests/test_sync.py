@@ -181,7 +181,7 @@ def test_server_killed_mid_training_loses_nothing_once_it_is_back(tmp_path, digi
         assert r.data.params["epochs"] == "4" and r.data.tags["model_md5"] == link["model_md5"]
         assert {"val/best_acc", "perf/train_s"} <= r.data.metrics.keys()
         arts = {f.path for f in client.list_artifacts(link["run_id"], "train")}
-        assert arts == {"train/metrics.json", "train/history.csv"}
+        assert arts == {"train/metrics.json", "train/history.csv", "train/made_on.json"}
         assert client.list_artifacts(link["run_id"], "eval")
         steps = client.get_metric_history(link["run_id"], "train/loss_step")
         assert sorted(m.step for m in steps) == sorted({m.step for m in steps})  # none twice
