@@ -142,7 +142,11 @@ def test_ctrl_c_reaches_a_warm_stage_and_sigkill_takes_it_with_its_caller(tmp_pa
 def test_only_what_imports_read_decides_which_warm_process_serves(monkeypatch):
     before = warm.key()
     for name, value in {"DVC_ROOT": "/elsewhere", "MLFLOW_TRACKING_URI": "http://x",
-                        "AWS_SECRET_ACCESS_KEY": "s", "SLURM_JOB_ID": "7"}.items():
+                        "AWS_SECRET_ACCESS_KEY": "s", "SLURM_JOB_ID": "7",
+                        # a login's, terminal's, editor's session (issue 42.7, second pass)
+                        "SSH_CONNECTION": "10.0.0.1 5 10.0.0.2 22", "TMUX_PANE": "%3",
+                        "XDG_SESSION_ID": "4", "VSCODE_GIT_IPC_HANDLE": "/run/x.sock",
+                        "GPG_TTY": "/dev/pts/3", "WINDOWID": "7", "INVOCATION_ID": "ab"}.items():
         monkeypatch.setenv(name, value)  # they name a run: the same warm process serves it
     assert warm.key() == before
     for name in ("_PYTHON_SYSCONFIGDATA_NAME", "TEMPLATE_PATH", "PATHEXT"):  # no family of those
