@@ -57,12 +57,13 @@ def cpu_name() -> str:
 
 def made_on(device: torch.device, processes: int = 1) -> dict:
     """What decides a run's last bits beyond the code, params and requirements.lock that DVC
-    hashes: the GPU, or the CPU and torch's thread count (of each of `processes`). Not a
-    dependency, so that a teammate's run-cache still restores here; recorded instead, and
+    hashes: the GPU, or the CPU (its name, which a VM may leave generic, and whether it has
+    bf16, which `precision: auto` follows) and torch's thread count (of each of `processes`).
+    Not a dependency, so that a teammate's run-cache still restores here; recorded instead, and
     `make repro` compares."""
     if device.type == "cuda":
         return {"gpu": torch.cuda.get_device_name(device)}
-    return {"cpu": cpu_name(), "threads": torch.get_num_threads()} \
+    return {"cpu": cpu_name(), "bf16": cpu_has_bf16(), "threads": torch.get_num_threads()} \
         | ({"processes": processes} if processes > 1 else {})
 
 

@@ -72,7 +72,8 @@ def test_repro_writes_every_output(repo):
     assert set(json.loads((repo / "models/train/metrics.json").read_text())) == {
         "best_val_acc", "best_val_loss", "best_epoch", "epochs_run", "num_params"}
     # Where the weights were made, and nothing that differs between runs on one machine.
-    assert set(json.loads((repo / "models/train/made_on.json").read_text())) == {"cpu", "threads"}
+    assert set(json.loads((repo / "models/train/made_on.json").read_text())) == {"cpu", "bf16",
+                                                                                 "threads"}
     history = (repo / "models/train/history.csv").read_text().splitlines()
     assert history[0] == "epoch,train_loss,train_acc,val_loss,val_acc,lr,grad_norm"
     assert len(history) == 1 + 3

@@ -45,11 +45,13 @@ def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> st
         return None  # not trained yet, by a version that did not record it, or no record
     from stages.config import load_params
     from stages.distributed import requested_processes
-    from stages.runtime import cpu_name, made_on, resolve_device
+    from stages.runtime import cpu_has_bf16, cpu_name, made_on, resolve_device
 
     def machine(m: dict) -> str:
         n, shown = m.get("threads"), "".join(c if c.isprintable() else "?" for c in
                                               str(m.get("gpu") or m.get("cpu")))
+        shown += "" if m.get("gpu") or "bf16" not in m else \
+            " (bf16)" if m["bf16"] else " (no bf16: fp32)"
         return shown if m.get("gpu") or n is None else \
             f"{shown} with {n} thread{'s' if n != 1 else ''}" + \
             (f" in each of {m['processes']} processes" if m.get("processes") else "")
@@ -60,7 +62,7 @@ def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> st
         processes = requested_processes(params.train, params.batch_size)
         # Under torchrun each process's threads are torchrun's to set: compared no further.
         here = made_on(resolve_device(params.train.device)) if processes == 1 else \
-            {"cpu": cpu_name(), "processes": processes}
+            {"cpu": cpu_name(), "bf16": cpu_has_bf16(), "processes": processes}
     except UserError as e:
         return f"{where}; it could not be trained again here: {e}"
     if "processes" in here or "processes" in then:
