@@ -155,8 +155,8 @@ def test_make_repro_says_when_the_model_was_made_under_another_thread_count(dvc_
     assert len(notes) == 1, p.stdout
     assert " with 1 thread (made_on.json), here training runs on " in notes[0], notes[0]
     assert notes[0].endswith(" with 2 threads: a rerun gives other last bits (`make verify` "
-                             "would name them). DVC restores outputs made under any thread count "
-                             "from its run-cache; `dvc repro -f train` remakes them here"), notes[0]
+                             "would name them). DVC restores outputs made on any machine from "
+                             "its run-cache; `dvc repro -f train` remakes them here"), notes[0]
     p = make(repo, "repro", OMP_NUM_THREADS="1")  # the machine that made them: nothing to say
     assert p.returncode == 0 and "note:" not in p.stdout + p.stderr, p.stdout
 

@@ -2,7 +2,7 @@
 rerun of every stage with OLD_LOCK, the one before it; names the outputs whose hashes changed
 and how to get the previous ones back.
 
-`python -m stages.team.verify --here` (after `make repro`, before `make verify`): one line when
+`python -m stages.team.verify --here` (the last step of `make repro`): one line when
 the trained model in the workspace was made on another CPU, thread count or GPU than this
 machine trains with. DVC cannot say it: its run-cache restores outputs made under any thread
 count, since what is not a dependency cannot split its key, and a teammate's cache should
@@ -36,6 +36,10 @@ def git(*args: str) -> str | None:
     return p.stdout if p.returncode == 0 else None
 
 
+def printable(value: object) -> str:
+    return "".join(c if c.isprintable() else "?" for c in str(value))
+
+
 def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> str | None:
     try:
         then = json.loads(made_on_file.read_text()) if made_on_file.is_file() else None
@@ -48,13 +52,14 @@ def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> st
     from stages.runtime import cpu_has_bf16, cpu_name, made_on, resolve_device
 
     def machine(m: dict) -> str:
-        n, shown = m.get("threads"), "".join(c if c.isprintable() else "?" for c in
-                                              str(m.get("gpu") or m.get("cpu")))
-        shown += "" if m.get("gpu") or "bf16" not in m else \
-            " (bf16)" if m["bf16"] else " (no bf16: fp32)"
-        return shown if m.get("gpu") or n is None else \
-            f"{shown} with {n} thread{'s' if n != 1 else ''}" + \
-            (f" in each of {m['processes']} processes" if m.get("processes") else "")
+        if m.get("gpu"):
+            return printable(m["gpu"])
+        text = printable(m.get("cpu"))
+        if "bf16" in m:
+            text += " (bf16)" if m["bf16"] else " (no bf16: fp32)"
+        if m.get("threads") is not None:
+            text += f" with {m['threads']} thread{'s' if m['threads'] != 1 else ''}"
+        return text + (f" in each of {m['processes']} processes" if m.get("processes") else "")
 
     where = f"note: {made_on_file.parent}/ was made on {machine(then)} ({made_on_file.name})"
     try:
@@ -70,7 +75,7 @@ def made_elsewhere(made_on_file: Path = Path("models/train/made_on.json")) -> st
     if then == here:
         return None
     return (f"{where}, here training runs on {machine(here)}: a rerun gives other last bits "
-            "(`make verify` would name them). DVC restores outputs made under any thread count "
+            "(`make verify` would name them). DVC restores outputs made on any machine "
             "from its run-cache; `dvc repro -f train` remakes them here")
 
 
