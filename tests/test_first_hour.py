@@ -220,5 +220,5 @@ def test_a_lock_whose_models_no_one_shared_says_so_before_training(tmp_path):
     again = run(["dvc", "repro"], repo).stdout
     note = "train: no copy of what dvc.lock names for these params and code (models/train/"
     assert note in again and again.index(note) < again.index("trained cnn"), again
-    assert "and 3 more) is here or on a DVC remote" in again
+    assert "and 4 more) is here or on a DVC remote" in again  # sha256, made_on, metrics, history
     assert again.count("no copy of what dvc.lock names") == 1
