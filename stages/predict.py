@@ -112,8 +112,10 @@ def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
     inputs when a weights-only load fails)."""
     import torch
 
-    # Private (no public table of .pt2 dtype names): pinned by tests/test_private_names.py.
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+    # No public table of .pt2 dtype names.
+    from torch._export.serde.serialize import (
+        _SERIALIZE_TO_TORCH_DTYPE,  # private, pinned: test_private_names.py
+    )
 
     try:
         with zipfile.ZipFile(path) as z:

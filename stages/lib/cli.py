@@ -30,8 +30,8 @@ STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
 # Libraries that cost a second or more to import: which of them a stage loaded. Names looked up in
 # sys.modules only (torch.compile's private compiler modules too), each pinned by
 # tests/test_private_names.py: one that moved would read as absent.
-HEAVY_IMPORTS = ("sklearn", "scipy", "torch._dynamo", "torch._inductor", "torch.onnx", "mlflow",
-                 "matplotlib", "onnxruntime", "torchvision")
+HEAVY_IMPORTS = ("sklearn", "scipy", "torch.onnx", "mlflow", "matplotlib", "onnxruntime",
+                 "torchvision", "torch._dynamo", "torch._inductor")  # private, pinned: test_private_names.py
 
 
 _timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
@@ -137,8 +137,8 @@ def exit_now() -> typing.NoReturn:
     flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
     with no public equivalent): `threading._shutdown` also stops idle thread pools, which a
     plain join of every thread would wait on forever. Pinned by tests/test_private_names.py."""
-    threading._shutdown()
-    atexit._run_exitfuncs()
+    threading._shutdown()  # private, pinned: test_private_names.py
+    atexit._run_exitfuncs()  # private, pinned: test_private_names.py
     code = 0
     for stream in (sys.stdout, sys.stderr):
         try:

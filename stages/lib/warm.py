@@ -439,7 +439,8 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     # (private: tests/test_private_names.py pins it). The warm process runs in /.
     dynamo = sys.modules.get("torch._dynamo.config")
     if dynamo is not None:
-        dynamo.debug_dir_root = dynamo.default_debug_dir_root()
+        root = dynamo.default_debug_dir_root()  # private, pinned: test_private_names.py
+        dynamo.debug_dir_root = root
     sys.path[:] = request["path"]
     sys.argv[:] = ["-m", *request["argv"]]
     for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
@@ -472,8 +473,8 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
         print(code, file=sys.stderr)
         code = 1
     # The interpreter's own shutdown steps that matter (stages.lib.cli.exit_now says why).
-    threading._shutdown()
-    atexit._run_exitfuncs()
+    threading._shutdown()  # private, pinned: test_private_names.py
+    atexit._run_exitfuncs()  # private, pinned: test_private_names.py
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

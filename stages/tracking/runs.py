@@ -219,12 +219,13 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
             for row in csv.DictReader(f):
                 run.log_metrics({k: float(v) for k, v in row.items() if k != "epoch"},
                                 step=int(row["epoch"]))
+        logged = [train_dir / "metrics.json", train_dir / "history.csv"]
         made_on = train_dir / "made_on.json"
         if made_on.exists():  # where the weights were made, which need not be here
             run.set_tags(json.loads(made_on.read_text()))
-        for name in ("metrics.json", "history.csv", "made_on.json"):
-            if (train_dir / name).exists():
-                run.log_artifact(train_dir / name, "train")
+            logged.append(made_on)
+        for path in logged:
+            run.log_artifact(path, "train")
         if run.run_id:
             _write_link(link_file, run, md5)
         yield run
