@@ -184,10 +184,8 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
     assert not serving(sock) and not [p for p in Path("/proc").glob("[0-9]*/cmdline")
                                       if str(sock).encode() in p.read_bytes()]
     run([sys.executable, "-m", "stages.params"], repo, env)  # within IDLE_S: now it is worth one
-    deadline = time.time() + 180
-    while not serving(sock):
-        assert time.time() < deadline, f"no warm process at {sock}"
-        time.sleep(0.2)
+    assert not serving(sock)  # it runs cold, the warm process imports in the background
+    # The next stage, at once: it waits for the imports under way rather than doing them again.
     timings = tmp_path / "timings.jsonl"
     run([sys.executable, "-m", "stages.params"], repo, env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
     assert [r["warm"] for r in records(timings)] == [True]

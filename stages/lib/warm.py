@@ -63,6 +63,9 @@ PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torc
 # the installed packages, which are part of the key. Private to MLflow: skipped if it moved.
 PREWARM = (("mlflow.utils.requirements_utils", "_init_packages_to_modules_map"),)
 IDLE_S = 300.0
+# How long a stage waits for a warm process still importing before it imports for itself: a
+# warm start takes about 10 s on an idle 2-core machine, several times that under load.
+START_WAIT_S = 60.0
 # Variables read when used, never as a library loads: a caller may differ in them and still be
 # served (a child runs with the caller's environment). Everything else in the environment is
 # part of the warm process's key; of MLflow's, only the two its import reads. Families by their
@@ -100,7 +103,7 @@ def hand_off(module: str) -> None:
         return
     try:
         path = socket_path()
-        conn = connect(path)
+        conn = connect(path) or wait_for_start(path)
         if conn is None:
             seen = path.with_suffix(".seen")
             if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
@@ -159,6 +162,34 @@ def hand_off(module: str) -> None:
         os.kill(os.getpid(), -code)
         code = 128 - code
     os._exit(code)
+
+
+def wait_for_start(path: Path) -> socket.socket | None:
+    """A connection to the warm process that an earlier stage started and that is still
+    importing, once it serves; None if there is none, it ends, or START_WAIT_S pass. Its
+    imports are mostly done by then: importing them all again here (a cold train or export)
+    would take longer, and on two cores would slow both down."""
+    try:
+        pid = int(path.with_suffix(".pid").read_text())
+    except (OSError, ValueError):
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    deadline = time.monotonic() + START_WAIT_S
+    try:
+        while time.monotonic() < deadline:
+            try:  # a pid file may outlive its process (SIGKILL), the pid be another's since
+                if str(path).encode() not in cmdline.read_bytes():
+                    return None
+            except OSError:
+                return None
+            conn = connect(path)
+            if conn is not None:
+                return conn
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # Ctrl-C while waiting: end as a stage killed by it does
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return None
 
 
 def in_warm_child() -> bool:
