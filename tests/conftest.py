@@ -60,6 +60,12 @@ def mlflow_uri(tmp_path_factory) -> str:
     return uri
 
 
+# A test's traffic stays on this machine: no MLflow telemetry, no DVC analytics (the repos tests
+# `dvc init` lack the project's `core.analytics = false`, and each of their commands would fork
+# a process, a second of CPU, to send a report). For the tests' processes and this one's.
+OFFLINE = {"DO_NOT_TRACK": "true", "DVC_NO_ANALYTICS": "1"}
+
+
 def env_with(**extra: str) -> dict[str, str]:
     # Without make's own variables too: under `make test` a make the test runs would be
     # `make[1]`, and its messages would differ from what a user sees. Nor what this test
@@ -70,7 +76,7 @@ def env_with(**extra: str) -> dict[str, str]:
            and k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env.update(GIT_ID)
-    env["DO_NOT_TRACK"] = "true"  # MLflow's telemetry: a test's traffic stays on this machine
+    env.update(OFFLINE)
     env.update(extra)
     return env
 
@@ -376,6 +382,7 @@ def pytest_configure(config: pytest.Config) -> None:
         import uuid
 
         os.environ[WARM_MARK] = uuid.uuid4().hex
+        os.environ.update(OFFLINE)
 
 
 def stop_warm_processes() -> None:
