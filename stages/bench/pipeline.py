@@ -3,7 +3,9 @@
 Each git revision gets its own clone; every round runs the stages there as DVC runs them
 (`python -m stages.<name>`, a fresh process each), rounds interleaved across revisions so that
 a noisy neighbour slows them alike. A revision with the warm process (stages/lib/warm.py) runs
-twice per round: cold (`REPROTRAIN_WARM=0`, each stage imports everything itself) and warm.
+three times per round: cold (`REPROTRAIN_WARM=0`, each stage imports everything itself), warm,
+and first: in an environment no warm process has served yet, as a fresh clone's first run, which
+starts one on the way (ended with the round).
 Round 0 is a discarded warm-up: it creates the clone's data, `mlflow.db` (schema migrations),
 Python's bytecode caches and the warm process, which a user pays once.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,11 +82,23 @@ def variants(rev: str, ws: Path, server: dict[str, str] | None
     """The rows a revision gets: cold and warm where it has the warm process; with `server`
     (the environment that logs to one), each of those again, tracked to the server."""
     kinds = {"": False} if not (ws / "stages/lib/warm.py").exists() else \
-        {" cold": False, " warm": True}
+        {" cold": False, " warm": True, " first": True}
     rows = {f"{rev}{k}": (ws, warm, None) for k, warm in kinds.items()}
     if server:
         rows |= {f"{rev}{k}, server": (ws, warm, server) for k, warm in kinds.items()}
     return rows
+
+
+def end_warm_processes(marked: dict[str, str]) -> None:
+    """SIGTERM to the warm processes whose environment holds `marked` (a round's own)."""
+    mark = "".join(f"{k}={v}" for k, v in marked.items()).encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"warm.py\0serve" in (proc / "cmdline").read_bytes() \
+                    and mark in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass  # gone meanwhile, or not this user's
 
 
 def requests_logged(server_log: Path | None) -> int:
@@ -107,15 +122,20 @@ def pipeline(revs: list[str], rounds: int,
             for label, (ws, _, _) in spaces.items()}
         for round_ in range(rounds + 1):
             for label, (ws, warm, extra) in spaces.items():
+                # A variable no library reads: only the warm process's key changes.
+                fresh = {"BENCH_FIRST_RUN": f"{os.getpid()}-{round_}"} if label.endswith(
+                    (" first", " first, server")) else {}
                 for stage in samples[label]:
                     sent = requests_logged(log)
-                    m = run_stage(ws, stage, warm, extra)
+                    m = run_stage(ws, stage, warm, (extra or {}) | fresh)
                     if extra:
                         m["requests"] = requests_logged(log) - sent
                     if round_:
                         samples[label][stage].append(m)
                     print(f"  round {round_}/{rounds} {label} {stage}: {m['wall_s']:.1f} s",
                           file=sys.stderr, flush=True)
+                if fresh:
+                    end_warm_processes(fresh)
     out = {}
     for rev, stages in samples.items():
         rows = {s: {k: statistics.median(x[k] for x in ms) if ms[0].get(k) is not None else None
@@ -139,6 +159,8 @@ def markdown(report: dict, cpu: str, rounds: int) -> str:
             sent = "-" if m.get("requests") is None else f"{m['requests']:.0f}"
             if rev.endswith((" warm", " warm, server")) and m["warm"] < m["runs"]:
                 cells[0] += f" ({m['runs'] - m['warm']} of {m['runs']} cold)"
+            elif rev.endswith((" first", " first, server")) and m["warm"]:
+                cells[0] += f" ({m['warm']} of {m['runs']} warm)"
             lines.append(f"| {rev} | {stage} | " + " | ".join(cells) + f" | {sent} |")
         lines.append(f"| {rev} | **total** | **{r['total_s']:.1f} s** | | | {r['loop_s']:.1f} s "
                      f"| overhead {r['overhead_s']:.1f} s = {r['overhead_per_loop']:.2f}x the "
