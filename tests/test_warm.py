@@ -185,9 +185,10 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
                                       if str(sock).encode() in p.read_bytes()]
     run([sys.executable, "-m", "stages.params"], repo, env)  # within IDLE_S: now it is worth one
     assert not serving(sock)  # it runs cold, the warm process imports in the background
-    # The next stage, at once: it waits for the imports under way rather than doing them again.
+    # The next stage that imports torch, at once: it waits for the imports under way rather
+    # than do them again beside them.
     timings = tmp_path / "timings.jsonl"
-    run([sys.executable, "-m", "stages.params"], repo, env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
+    run([sys.executable, "-m", "stages.prepare"], repo, env_with(**env, REPROTRAIN_TIMINGS=str(timings)))
     assert [r["warm"] for r in records(timings)] == [True]
     run([sys.executable, "-u", "-m", "stages.params"], repo,  # an option it would not have
         env_with(**env, REPROTRAIN_TIMINGS=str(timings)))

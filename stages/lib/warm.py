@@ -103,7 +103,8 @@ def hand_off(module: str) -> None:
         return
     try:
         path = socket_path()
-        conn = connect(path) or wait_for_start(path)
+        # params imports no torch: cold, it is done before any wait would be.
+        conn = connect(path) or (wait_for_start(path) if module != "stages.params" else None)
         if conn is None:
             seen = path.with_suffix(".seen")
             if seen.exists() and time.time() - seen.stat().st_mtime < IDLE_S:
