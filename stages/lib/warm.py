@@ -6,9 +6,10 @@ and, in train and export, torch's compiler and ONNX's exporter again: 2 to 6 s a
 than the training loop of a small experiment. So a stage that finds a warm process connects to
 it over a unix socket, and it forks a child that runs the stage. One that finds none runs as it
 always did, and starts one in the background if another stage came for it within IDLE_S: a
-pipeline's second stage does, a lone command never pays for a warm process it would not use. The
-caller waits, forwards its signals (Ctrl-C, SIGTERM, Ctrl-Z) to the child, and ends with the child's
-status; a caller killed with SIGKILL takes the child with it. A stage runs the same code either
+pipeline's second stage does, a lone command never pays for a warm process it would not use. One
+that finds it still importing waits for it (wait_for_start). The caller waits, forwards its
+signals (Ctrl-C, SIGTERM, Ctrl-Z) to the child, and ends with the child's status; a caller
+killed with SIGKILL takes the child with it. A stage runs the same code either
 way, and writes the same bytes (tests/test_warm.py).
 
 Only libraries are imported ahead, never this project's code: a child imports `stages` from
