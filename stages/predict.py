@@ -112,8 +112,8 @@ def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
     inputs when a weights-only load fails)."""
     import torch
 
-    # No public table of .pt2 dtype names.
-    from torch._export.serde.serialize import (
+    # No public table of .pt2 dtype names (checked on torch 2.14.1).
+    from torch._export.serde.serialize import (  # private, pinned: test_private_names.py
         _SERIALIZE_TO_TORCH_DTYPE,  # private, pinned: test_private_names.py
     )
 

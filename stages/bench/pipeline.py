@@ -79,7 +79,7 @@ def run_stage(workspace: Path, stage: str, warm: bool = False,
 
 def variants(rev: str, ws: Path, server: dict[str, str] | None
              ) -> dict[str, tuple[Path, bool, dict[str, str] | None]]:
-    """The rows a revision gets: cold and warm where it has the warm process; with `server`
+    """The rows a revision gets: cold, warm and first where it has the warm process; with `server`
     (the environment that logs to one), each of those again, tracked to the server."""
     kinds = {"": False} if not (ws / "stages/lib/warm.py").exists() else \
         {" cold": False, " warm": True, " first": True}

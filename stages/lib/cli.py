@@ -28,8 +28,8 @@ from stages.lib.errors import UserError
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
 # Libraries that cost a second or more to import: which of them a stage loaded. Names looked up in
-# sys.modules only (torch.compile's private compiler modules too), each pinned by
-# tests/test_private_names.py: one that moved would read as absent.
+# sys.modules only (torch.compile's private compiler modules too, checked on torch 2.14.1), each
+# pinned by tests/test_private_names.py: one that moved would read as absent.
 HEAVY_IMPORTS = ("sklearn", "scipy", "torch.onnx", "mlflow", "matplotlib", "onnxruntime",
                  "torchvision", "torch._dynamo", "torch._inductor")  # private, pinned: test_private_names.py
 
@@ -135,8 +135,9 @@ def exit_now() -> typing.NoReturn:
     already closed and renamed. What a normal exit does that matters is done first, in its
     order: wait for threads, run the exit handlers (logging, multiprocessing, MLflow's queue),
     flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
-    with no public equivalent): `threading._shutdown` also stops idle thread pools, which a
-    plain join of every thread would wait on forever. Pinned by tests/test_private_names.py."""
+    with no public equivalent, checked on CPython 3.11): its threading step also stops idle
+    thread pools, which a plain join of every thread would wait on forever. Pinned by
+    tests/test_private_names.py."""
     threading._shutdown()  # private, pinned: test_private_names.py
     atexit._run_exitfuncs()  # private, pinned: test_private_names.py
     code = 0
