@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -142,3 +143,42 @@ def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_pa
         timer.join()  # never a stray Ctrl-C for the next test
         signal.signal(signal.SIGINT, previous)
     assert path.read_bytes() == b"previous" and not list(tmp_path.glob(".*tmp*"))
+
+
+SERVER_STOPPED_WHILE_IT_FORKS = """
+import os, signal, sys
+from stages.lib.processes import private_folder, started
+
+port = sys.argv[1]
+log = private_folder("forked") / "server.log"
+print(log, flush=True)
+# The stop lands as the server is forked, in the window of Python's at-fork hooks.
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
+with started("test server", [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", port],
+             dict(os.environ), log, f"http://127.0.0.1:{port}/", 60, "no hint") as server:
+    print("served", flush=True)
+    server.wait()
+"""
+
+
+def test_a_stop_while_the_server_is_forked_is_a_clean_stop(tmp_path):
+    """A SIGTERM during the fork of the server (CI: `make ui` served on, deaf to further
+    SIGTERMs, its stop printed as `Exception ignored in: <function _releaseLock ...>`) stops the
+    command cleanly: exit 0, the server gone, its log folder removed."""
+    from tests.support.services import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER_STOPPED_WHILE_IT_FORKS, str(port)],
+                            cwd=tmp_path, env=env_with(PYTHONPATH=str(ROOT)), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and err.strip() == "stopping the test server", (out, err)
+    log = out.splitlines()[0]
+    assert "served" not in out and not os.path.exists(os.path.dirname(log)), out
+    with pytest.raises(OSError):  # nothing serves on its port
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)

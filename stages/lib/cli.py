@@ -152,6 +152,9 @@ def exit_now() -> typing.NoReturn:
     os._exit(code)
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def stop_on_signals() -> None:
     """SIGTERM (`kill`, systemd, or make passing its own on), SIGHUP (a closed terminal) and
     SIGQUIT (Ctrl-\\) stop a long-running command as Ctrl-C does: a KeyboardInterrupt, so that
@@ -159,14 +162,12 @@ def stop_on_signals() -> None:
     death would leave running. Only the first of them: `kill` of make's whole group reaches this
     process twice (make passes its SIGTERM on), and a second, or a Ctrl-C after a SIGTERM, would
     cut the first one's clean-up short."""
-    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
-
     def interrupt(signum, frame) -> None:
-        for sig in stops:
+        for sig in STOPS:
             signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    for sig in stops:
+    for sig in STOPS:
         signal.signal(sig, interrupt)
 
 

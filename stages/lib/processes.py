@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from stages.lib.cli import stop_on_signals
+from stages.lib.cli import STOPS, stop_on_signals
 from stages.lib.errors import UserError
 from stages.lib.redact import masked
 
@@ -70,6 +70,15 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _server_child(parent: int) -> None:
+    """In the server, before exec: the stops this command held across the fork, back to their
+    default (one pending kills it now, as it would have), then _die_with_parent."""
+    for sig in STOPS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+    _die_with_parent(parent)
+
+
 def _parent_is_make() -> bool:
     try:
         return Path(f"/proc/{os.getppid()}/comm").read_text().strip() in ("make", "gmake")
@@ -96,10 +105,16 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
     stop_on_signals()
     server, ready, asked = None, False, False
     try:
-        with open(log, "x") as out:
-            server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True,
-                                      preexec_fn=lambda: _die_with_parent(parent))
+        # Held across the fork: a stop that came during it ran its KeyboardInterrupt in Python's
+        # at-fork hooks, which print and drop it, and the command served on, deaf to the next.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        try:
+            with open(log, "x") as out:
+                server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True,
+                                          preexec_fn=lambda: _server_child(parent))
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # a held stop lands here
         deadline = time.monotonic() + timeout
         while not answers(health):
             if server.poll() is not None or time.monotonic() > deadline:
