@@ -15,8 +15,6 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-
 from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, ParamsError
 from stages.lib.errors import UserError
 from stages.lib.files import digest_path, save_torch_verified, verify_digest, write_json
@@ -56,6 +54,8 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
     for path in found:
         try:
             verify_digest(path)
+            import torch  # here: the sweep's worker removes run folders without it
+
             state = torch.load(path, map_location="cpu", weights_only=True)
             state["path"] = str(path)
             return state

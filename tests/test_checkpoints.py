@@ -31,7 +31,6 @@ from stages.checkpoints import (
 )
 from stages.config import ParamsError
 from stages.data import save_prepared
-from stages.lib import files
 from stages.loop import OutOfMemory
 from tests.conftest import ROOT, copy_params, copy_repo, env_with, run, set_params
 from tests.support.training import cnn, fit, fit_ckpt, linear_model, same_weights
@@ -107,7 +106,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous(digits, tmp_pat
         f.truncate(100)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(files.torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError) as err:
         save_checkpoint({"x": torch.zeros(3)}, tmp_path, 2)
     assert err.value.errno == errno.ENOSPC

@@ -128,7 +128,7 @@ def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_pa
         def flush(self):
             self.f.flush()
 
-    monkeypatch.setattr(files.torch, "save", lambda obj, f: real_save(obj, SlowDisk(f)))
+    monkeypatch.setattr(torch, "save", lambda obj, f: real_save(obj, SlowDisk(f)))
     # Python's own Ctrl-C handler, also where the suite was started in the background
     # (`make test &`), which leaves SIGINT ignored.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -62,3 +62,12 @@ def test_a_submodule_not_yet_imported_still_imports_from_its_package():
                        capture_output=True, text=True, timeout=120)
     assert p.stdout.split() == ["stages.tracking.sync", "stages.serving.registry",
                                 "stages.sweep.spec"], p.stderr
+
+
+def test_the_sweeps_processes_import_no_torch():
+    """The launcher and each worker start in a third of a second, not 2.5 s: torch is the
+    trials' (`dvc exp run`'s stages), not theirs."""
+    p = subprocess.run([sys.executable, "-c", "import sys; from stages.sweep import launch, report, "
+                        "slurm, study, trial, worker; print(sorted({'torch', 'mlflow'} & set(sys.modules)))"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "[]", (p.stdout, p.stderr)

@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 # What a write can meet that the user must fix: the cause and the fix, for one line.
 WRITE_ERRORS = {
     errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
@@ -205,6 +203,8 @@ def save_torch(path: str | Path, obj: Any) -> Path:
 
 def torch_writer(obj: Any) -> Callable[[Path], None]:
     """The write of save_torch, for atomic_write_all."""
+
+    import torch  # here: a command that writes JSON, not tensors (the sweep's), needs none
 
     def write(p: Path) -> None:
         with open(p, "wb") as f:

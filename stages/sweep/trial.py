@@ -11,9 +11,10 @@ experiment). The MLflow run ends KILLED, tagged `pruned` by the train stage.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stages.loop import Log
+if TYPE_CHECKING:  # the sweep's processes import no torch
+    from stages.loop import Log
 
 # The worker names the trial through the environment; the storage URI may hold a password,
 # which is why it is never an argument (visible in `ps`) nor written to a file.
