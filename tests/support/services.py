@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,10 +97,16 @@ _templates: set[str] = set()  # the clusters whose template is made
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory) -> Iterator[str]:
-    """One cluster for the test session (each test creates its own database)."""
-    with postgres_cluster(tmp_path_factory.mktemp("postgres")) as uri:
-        yield uri
+def postgres() -> Iterator[str]:
+    """One cluster for the test session (each test creates its own database). In a folder of
+    its own, not pytest's: another pytest session starting on this machine sets pytest's
+    folders back to 0700, and the server, running as `postgres`, died of it mid-run."""
+    folder = Path(tempfile.mkdtemp(prefix="reprotrain-postgres."))
+    try:
+        with postgres_cluster(folder) as uri:
+            yield uri
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass
