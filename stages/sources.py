@@ -83,14 +83,21 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
         rejected += bad
         for path, digest in accepted:
             seen[digest].append((name, path))
-    total = sum(len(v) for v in items.values())
+    check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
+    return Loaded(splits, classes, rejected, leaks_in(seen))
+
+
+def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig) -> None:
     if total and len(rejected) / total > cfg.max_rejected_fraction:
         listing = "; ".join(f"{p}: {r}" for p, r in rejected[:5])
-        raise DataError(f"{len(rejected)} of {total} images in {root} could not be read "
+        raise DataError(f"{len(rejected)} of {total} images in {Path(cfg.root)} could not be read "
                         f"({len(rejected) / total:.1%} > data.max_rejected_fraction "
                         f"{cfg.max_rejected_fraction}); first: {listing}")
-    leaks = {d: v for d, v in seen.items() if len({s for s, _ in v}) > 1}
-    return Loaded(splits, classes, rejected, leaks)
+
+
+def leaks_in(seen: dict[str, list[tuple[str, str]]]) -> dict[str, list[tuple[str, str]]]:
+    """Identical files (by sha256) in more than one split."""
+    return {d: v for d, v in seen.items() if len({s for s, _ in v}) > 1}
 
 
 SOURCES: dict[str, Callable[[DataConfig, int, Path], Loaded]] = {

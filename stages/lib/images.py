@@ -6,14 +6,17 @@ import hashlib
 import io
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from stages.lib.errors import UserError
+
+T, R = TypeVar("T"), TypeVar("R")
 
 # The image files read, by extension, and the one Pillow decoder each may use. Only these decode,
 # whatever a file's name or first bytes claim: Pillow's EPS decoder runs Ghostscript on the file
@@ -166,6 +169,11 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
                  resize: str) -> np.ndarray:
     """uint8 (C, size, size) from a file or its bytes. Raises DataError with the reason for an
     unreadable file."""
+    return fit(decode_pixels(source, channels), size, resize)
+
+
+def decode_pixels(source: str | Path | bytes, channels: int) -> Image.Image:
+    """The whole image, decoded and checked, in "L" or "RGB" at its own size."""
     if not isinstance(source, bytes):
         check_size(source)
     empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
@@ -177,14 +185,19 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
                             "(MAX_SIDE in stages/lib/images.py); crop or resize it first")
         try:
             opened.load()  # decode it all now: a truncated file fails here, never padded silently
-            img = to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")
+            return to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")
         except Exception:  # noqa: BLE001 - a decoder fails with any type on a crafted file
             raise DataError(f"a damaged or truncated {opened.format} file: its header reads but "
                             "its pixels do not decode; save or copy it again") from None
+
+
+def fit(img: Image.Image, size: int, resize: str) -> np.ndarray:
+    """uint8 (C, size, size): `data.resize`'s policy, squash or center_crop."""
     if resize == "center_crop":
         img = ImageOps.fit(img, (size, size), Image.Resampling.BICUBIC)
     else:
         img = img.resize((size, size), Image.Resampling.BICUBIC)
+    channels = 1 if img.mode == "L" else 3
     return np.asarray(img, dtype=np.uint8).reshape(size, size, channels).transpose(2, 0, 1)
 
 
@@ -201,12 +214,16 @@ def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str
 def decode_many(paths: list[Path], channels: int, size: int, resize: str,
                 workers: int) -> Iterator[tuple[np.ndarray | None, str, str]]:
     """(image or None, reason if rejected, sha256 of the file), in order, decoded in parallel."""
-    jobs = [(str(p), channels, size, resize) for p in paths]
+    return parallel_map(_decode_one, [(str(p), channels, size, resize) for p in paths], workers)
+
+
+def parallel_map(fn: Callable[[T], R], jobs: list[T], workers: int) -> Iterator[R]:
+    """fn over jobs in `workers` processes, results in order."""
     if workers <= 1:
-        yield from map(_decode_one, jobs)
+        yield from map(fn, jobs)
         return
     # Workers ignore Ctrl-C: the main process stops them, with one line instead of a
     # KeyboardInterrupt traceback from each.
     with ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
                              initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        yield from pool.map(_decode_one, jobs, chunksize=32)
+        yield from pool.map(fn, jobs, chunksize=32)
