@@ -1,6 +1,7 @@
-"""Training batches: the batch plan, the two batch sources (device-resident data or a
-DataLoader) and the augmentation. Both sources give every sample in the same order, the same
-augmentation and the same batches, whatever the loader, worker count or rank."""
+"""Training batches: the batch plan, the batch sources (device-resident data, a DataLoader over
+the tensors, or one that decodes shards in its workers) and the augmentation. Each gives every
+sample in the same order with the same augmentation, whatever the worker count or rank; the two
+of the tensors give the same batches."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from torch import Tensor
 
 from stages.config import TrainConfig, batch_share
 from stages.data import Split
+from stages.lib.errors import UserError
+from stages.lib.images import DataError
+from stages.lib.shards import ShardImages
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
 Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
@@ -48,10 +52,17 @@ def windows(batches: Iterator, plan: BatchPlan) -> Iterator[list]:
 
 
 def resolve_loader(cfg: TrainConfig, splits: list[Split]) -> str:
-    if cfg.loader != "auto":
-        return cfg.loader
-    size_mb = sum(s.x.numel() * s.x.element_size() for s in splits) / 2**20
-    return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
+    sharded = isinstance(splits[0].x, ShardImages)
+    if cfg.loader == "auto":
+        if sharded:
+            return "stream"
+        size_mb = sum(s.x.numel() * s.x.element_size() for s in splits) / 2**20
+        return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
+    if sharded != (cfg.loader == "stream"):
+        held, reads = ("shards", "tensors") if sharded else ("tensors", "shards")
+        raise UserError(f"params.yaml: train.loader={cfg.loader!r} reads {reads}, and "
+                        f"data/prepared/ holds {held} (data.format); use train.loader: auto")
+    return cfg.loader
 
 
 def device_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
@@ -71,9 +82,11 @@ def device_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
 def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
                    shuffle: bool, rank: int, world: int, num_workers: int | str) -> Batches:
     workers = resolve_workers(num_workers)
-    sampler = EpochSampler(len(split.y), seed, shuffle, rank, world)
+    streamed = isinstance(split.x, ShardImages)
+    sampler = EpochSampler(len(split.y), seed, shuffle, rank, world, keyed=streamed)
+    dataset = StreamedDataset(split, seed) if streamed else IndexedDataset(split)
     dl = torch.utils.data.DataLoader(
-        IndexedDataset(split), batch_size=plan.sizes[0], sampler=sampler, num_workers=workers,
+        dataset, batch_size=plan.sizes[0], sampler=sampler, num_workers=workers,
         # Pinned (page-locked) host memory lets the copy below run asynchronously via DMA.
         pin_memory=device.type == "cuda",
         # Workers stay alive across epochs instead of being forked again every epoch.
@@ -86,6 +99,11 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
     def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         sampler.set_epoch(epoch)
         for x, y, idx in dl:
+            if streamed and bool((idx < 0).any()):
+                failed = -1 - int(idx[idx < 0][0])
+                split.x.pixels(failed)  # its error, here in one line (not in a worker's traceback)
+                raise UserError(f"sample {failed} of the training split failed to decode in a "
+                                "DataLoader worker and decodes here: is the disk failing?")
             # non_blocking: the copy overlaps with compute (it is async from pinned memory).
             yield (x.to(device, non_blocking=True), y.to(device, non_blocking=True),
                    idx.to(device, non_blocking=True))
@@ -164,20 +182,42 @@ def rank_order(n: int, seed: int, epoch: int, shuffle: bool, rank: int = 0,
     return order[: n - n % world][rank::world]
 
 
-class EpochSampler(torch.utils.data.Sampler[int]):
+class EpochSampler(torch.utils.data.Sampler):
     """The device path's order for the DataLoader path (sharded like DistributedSampler, with
-    drop_last); set_epoch works with persistent workers."""
+    drop_last); set_epoch works with persistent workers. `keyed`: (index, epoch) pairs, for a
+    dataset whose samples depend on the epoch (a worker's copy never sees set_epoch)."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1):
+    def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1,
+                 keyed: bool = False):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
-        self.epoch = 0
+        self.epoch, self.keyed = 0, keyed
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
-        return iter(rank_order(self.n, self.seed, self.epoch, self.shuffle, self.rank,
-                               self.world).tolist())
+        order = rank_order(self.n, self.seed, self.epoch, self.shuffle, self.rank,
+                           self.world).tolist()
+        return iter((i, self.epoch) for i in order) if self.keyed else iter(order)
 
     def __len__(self) -> int:
         return self.n // self.world
+
+
+class StreamedDataset(torch.utils.data.Dataset):
+    """A sharded split's samples, decoded and cropped in the DataLoader's workers: a random-
+    resized crop of the stored image, keyed like `augment` by (seed, epoch, index)."""
+
+    def __init__(self, split: Split, seed: int):
+        self.x, self.y, self.seed = split.x, split.y, seed
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
+        i, epoch = key
+        crop_seed = int(_hash(self.seed, epoch, torch.tensor([i]), 4)[0]) % 2**63
+        try:
+            return self.x.cropped(i, crop_seed), self.y[i], i
+        except DataError:  # a negative index: the training process reports it (loader_batches)
+            return torch.zeros(self.x.shape[1:], dtype=torch.uint8), self.y[i], -1 - i

@@ -84,9 +84,15 @@ class DataConfig:
     resize: str = "squash"
     num_workers: Union[int, str] = "auto"  # noqa: UP007
     max_rejected_fraction: float = 0.05
+    format: str = "auto"
+    store_size: int = 256
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, SOURCES)
+        _choice("data.format", self.format, ("auto", "tensors", "shards"))
+        _require(self.format != "shards" or self.source == "folder", "data.format", self.format,
+                 "only data.source: folder is written as shards; use auto or tensors")
+        _require(16 <= self.store_size <= 4096, "data.store_size", self.store_size, "must be 16..4096")
         _choice("data.resize", self.resize, ("squash", "center_crop"))
         _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
                  and self.num_workers >= 0), "data.num_workers", self.num_workers,
@@ -155,7 +161,7 @@ class TrainConfig:
         _require(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device) is not None,
                  "train.device", self.device, "use auto, cpu, cuda, cuda:N (N a GPU index) or mps")
         _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
-        _choice("train.loader", self.loader, ("auto", "device", "dataloader"))
+        _choice("train.loader", self.loader, ("auto", "device", "dataloader", "stream"))
         _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
                  and self.num_workers >= 0), "train.num_workers", self.num_workers,
                  "use auto or an integer >= 0")

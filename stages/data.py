@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from stages.lib import shards
 from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
 
@@ -22,7 +23,7 @@ SPLITS = ("train", "val", "test")
 
 @dataclass
 class Split:
-    x: Tensor  # uint8 (N, C, H, W)
+    x: Tensor  # uint8 (N, C, H, W), or shards.ShardImages indexed like one
     y: Tensor  # int64 (N,)
 
 
@@ -46,6 +47,13 @@ def load_meta(prepared: Path) -> dict:
 
 
 def load_split(prepared: Path, name: str) -> Split:
+    """A split as its tensors, or, when prepare wrote shards, its images read from them as
+    they are indexed (stages/lib/shards.py) with its labels."""
+    if shards.is_sharded(Path(prepared), name) and \
+            (meta := load_meta(prepared)).get("format") == "shards":
+        x = shards.ShardImages(Path(prepared) / name, meta["channels"], meta["image_size"],
+                               meta["resize"])
+        return Split(x, x.labels())  # type: ignore[arg-type]
     path = Path(prepared) / f"{name}.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run `dvc repro prepare` first")

@@ -309,6 +309,12 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_s3_mlflow.py": "*",
     "test_serving.py": "*",
     "test_server.py": "*",
+    "test_shards.py": (  # each prepares or trains in processes of its own
+        "test_a_format_changed_back_leaves_only_the_new_one",
+        "test_a_shard_cut_short_under_training_workers_ends_it_in_one_line_naming_it",
+        "test_prepare_writes_the_same_shards_again",
+        "test_the_loader_and_the_format_must_match_in_one_line",
+    ),
     "test_slurm.py": "*",
     "test_sweep.py": "*",
     "test_sync.py": "*",
