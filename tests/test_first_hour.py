@@ -222,3 +222,9 @@ def test_a_lock_whose_models_no_one_shared_says_so_before_training(tmp_path):
     assert note in again and again.index(note) < again.index("trained cnn"), again
     assert "and 4 more) is here or on a DVC remote" in again  # sha256, made_on, metrics, history
     assert again.count("no copy of what dvc.lock names") == 1
+    # Other data with the same training params (a folder, shards): training anew is expected,
+    # and it said the lock's models were never shared.
+    shutil.rmtree(repo / ".dvc/cache")
+    set_params(repo / "params.yaml", {"data.val_fraction": "0.15"})
+    other = run(["dvc", "repro"], repo).stdout
+    assert "trained cnn" in other and "no copy of what dvc.lock names" not in other, other

@@ -266,14 +266,19 @@ def _unrestored(stage: str) -> str | None:
 
     from stages.lib.files import file_hash
 
-    lock = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"][stage]
+    stages = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"]
+    lock = stages[stage]
     params = OmegaConf.to_container(OmegaConf.load("params.yaml"))
     if any(params.get(k) != v for k, v in lock.get("params", {}).get("params.yaml", {}).items()):
         return None  # other params: the lock names another run's outputs
+    # What the stages before this one just wrote (DVC locked them before starting this one).
+    made = {o["path"]: o.get("md5") for s in stages.values() for o in s.get("outs", [])}
     for dep in lock.get("deps", []):
         path = Path(dep["path"])
         if path.is_file() and file_hash(path, "md5") != dep.get("md5"):
             return None  # other code: the same
+        if dep["path"] in made and made[dep["path"]] != dep.get("md5"):
+            return None  # other data (prepare's, a folder of shards or tensors): the same
     from dvc.repo import Repo
 
     with Repo() as repo:
