@@ -103,6 +103,24 @@ def torch_runner(net):
     return run
 
 
+# The dtypes a model's weights may be stored in, as each file format names them: .pt2's codes
+# (the archive schema's ScalarType, fixed by the format) and safetensors' names (its spec). The
+# libraries' own tables are private; tests/test_private_names.py checks these against them.
+FILE_DTYPES = {"uint8": (1, "U8"), "int8": (2, "I8"), "int16": (3, "I16"), "int32": (4, "I32"),
+               "int64": (5, "I64"), "float16": (6, "F16"), "float32": (7, "F32"),
+               "float64": (8, "F64"), "bool": (12, "BOOL"), "bfloat16": (13, "BF16")}
+
+
+def file_dtype(fmt: str, code: int | str) -> object:
+    """The torch dtype a file's dtype code or name stands for; any other, as the file wrote it
+    (the weights check then refuses it, naming it)."""
+    import torch
+
+    column = 0 if fmt == "pt2" else 1
+    return next((getattr(torch, name) for name, codes in FILE_DTYPES.items()
+                 if codes[column] == code), code)
+
+
 def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
     """The weights of a torch.export archive, read as plain tensors: `check` sees every tensor's
     declared name, shape and dtype first; then each entry is read only if it is stored
@@ -111,11 +129,6 @@ def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
     (symbolic shapes through sympy, guard code through exec, and pickled weights or sample
     inputs when a weights-only load fails)."""
     import torch
-
-    # No public table of .pt2 dtype names (checked on torch 2.14.1).
-    from torch._export.serde.serialize import (  # private, pinned: test_private_names.py
-        _SERIALIZE_TO_TORCH_DTYPE,  # private, pinned: test_private_names.py
-    )
 
     try:
         with zipfile.ZipFile(path) as z:
@@ -135,7 +148,7 @@ def pt2_weights(path: Path, check: Callable[[dict], None]) -> dict:
                         or tm["storage_offset"]["as_int"] != 0):
                     raise DataError(f"--model {path}: weight {fqn!r} is stored as a view, not as "
                                     "plain contiguous data; export the model again")
-                declared[fqn] = (sizes, _SERIALIZE_TO_TORCH_DTYPE[tm["dtype"]])
+                declared[fqn] = (sizes, file_dtype("pt2", tm["dtype"]))
             check(declared)
             weights = {}
             for fqn, meta in config.items():
@@ -170,14 +183,13 @@ def safetensors_weights(path: Path, check: Callable[[dict], None]) -> dict:
     """The tensors of a safetensors file; `check` sees their names, shapes and dtypes first
     (the header, read without the data)."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import _TYPES  # its dtype names, e.g. "F32": torch.float32
 
     try:
         with safe_open(path, framework="pt") as f:
             declared = {}
             for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
                 part = f.get_slice(name)
-                declared[name] = (part.get_shape(), _TYPES.get(part.get_dtype()))
+                declared[name] = (part.get_shape(), file_dtype("safetensors", part.get_dtype()))
             check(declared)
             return {name: f.get_tensor(name) for name in declared}
     except (SafetensorError, OSError) as e:

@@ -18,20 +18,24 @@ def test_the_interpreters_own_shutdown_steps_exist():
     assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)
 
 
-def test_torch_exports_dtype_table_reads_what_export_writes():
-    # stages/predict.py pt2_weights: the .pt2 archive's dtype names, read without torch.export.load.
+def test_the_model_files_dtype_codes_are_the_libraries_own():
+    # stages/predict.py FILE_DTYPES: the .pt2 schema's and safetensors' dtype codes, written out
+    # there; here checked against the libraries' private tables.
     import torch
+    from safetensors.torch import _TYPES
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
-    assert torch.__version__.split("+")[0] == "2.14.1", \
-        "checked on torch 2.14.1: recheck _SERIALIZE_TO_TORCH_DTYPE in predict.pt2_weights"
-    assert torch.float32 in _SERIALIZE_TO_TORCH_DTYPE.values()
-    assert all(isinstance(d, torch.dtype) for d in _SERIALIZE_TO_TORCH_DTYPE.values())
+    from stages.predict import FILE_DTYPES, file_dtype
+
+    for name, (pt2, safetensors) in FILE_DTYPES.items():
+        assert _SERIALIZE_TO_TORCH_DTYPE[pt2] == getattr(torch, name) == _TYPES[safetensors]
+        assert file_dtype("pt2", pt2) == file_dtype("safetensors", safetensors) == getattr(torch, name)
+    assert file_dtype("pt2", 99) == 99
 
 
 def test_the_heavy_modules_looked_up_by_name_exist():
-    # stages/lib/cli.py HEAVY_IMPORTS: torch.compile's compiler modules, looked up in sys.modules
-    # only; one that moved would read as never imported and the no-heavy-import test pass blind.
+    # stages/lib/cli.py HEAVY_IMPORTS, looked up in sys.modules only: one that moved would read
+    # as never imported and the no-heavy-import test pass blind.
     from stages.lib.cli import HEAVY_IMPORTS
 
     for name in HEAVY_IMPORTS:

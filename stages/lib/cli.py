@@ -27,11 +27,10 @@ from stages.lib.errors import UserError
 # Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
-# Libraries that cost a second or more to import: which of them a stage loaded. Names looked up in
-# sys.modules only (torch.compile's private compiler modules too, checked on torch 2.14.1), each
-# pinned by tests/test_private_names.py: one that moved would read as absent.
+# Libraries that cost a second or more to import: which of them a stage loaded (names looked up
+# in sys.modules; tests/test_private_names.py checks that each still exists).
 HEAVY_IMPORTS = ("sklearn", "scipy", "torch.onnx", "mlflow", "matplotlib", "onnxruntime",
-                 "torchvision", "torch._dynamo", "torch._inductor")  # private, pinned: test_private_names.py
+                 "torchvision")
 
 
 _timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
