@@ -12,14 +12,22 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
+import torch
 
 from stages.config import PREPARED, DataConfig, load_params
 from stages.data import SPLITS, save_prepared
 from stages.lib import shards
 from stages.lib.cli import ArgumentParser, run_stage
 from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
-from stages.sources import SOURCES, assign_splits, build_meta, check_rejected, leaks_in, list_folder
+from stages.sources import (
+    SOURCES,
+    assign_splits,
+    build_meta,
+    check_rejected,
+    leaks_in,
+    list_folder,
+    meta_of,
+)
 
 
 def main() -> None:
@@ -39,8 +47,11 @@ def main() -> None:
         print(f"{root}: {len(classes)} classes, {sum(map(len, files.values()))} image files; "
               "names and layout are fine")
         return
-    if resolve_format(cfg) == "shards":
-        meta, rejected, leaks = write_shards(cfg, params.seed, PREPARED)
+    # A folder listed once: at a million files the listing takes a while.
+    listing = list_folder(Path(cfg.root)) if cfg.source == "folder" and cfg.format != "tensors" \
+        else None
+    if resolve_format(cfg, listing) == "shards":
+        meta, rejected, leaks = write_shards(cfg, params.seed, PREPARED, *listing)
     else:
         try:
             loaded = SOURCES[cfg.source](cfg, params.seed, PREPARED)
@@ -71,13 +82,13 @@ def reports(rejected: list[tuple[str, str]], leaks: dict[str, list[tuple[str, st
                                     [(d, s, p) for d, v in leaks.items() for s, p in v])}
 
 
-def resolve_format(cfg: DataConfig) -> str:
+def resolve_format(cfg: DataConfig, listing: tuple[list[str], dict] | None) -> str:
     """data.format: auto writes shards where the decoded splits would take more than half the
     memory available now, and says which it picked and why (for a folder; the other sources are
     datasets of a few hundred MB, always tensors)."""
-    if cfg.format != "auto" or cfg.source != "folder":
+    if cfg.format != "auto" or listing is None:
         return "tensors" if cfg.format == "auto" else cfg.format
-    _, files = list_folder(Path(cfg.root))
+    _, files = listing
     decoded = sum(map(len, files.values())) * cfg.channels * cfg.image_size ** 2
     available = memory_available()
     picked = "shards" if decoded > available / 2 else "tensors"
@@ -97,9 +108,9 @@ def memory_available() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def write_shards(cfg: DataConfig, seed: int, out: Path) -> tuple[dict, list, dict]:
+def write_shards(cfg: DataConfig, seed: int, out: Path, classes: list[str],
+                 files: dict) -> tuple[dict, list, dict]:
     """The folder's splits as shards (stages/lib/shards.py), with meta.json and the reports."""
-    classes, files = list_folder(Path(cfg.root))
     items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     written, rejected, seen = {}, [], defaultdict(list)
@@ -111,22 +122,13 @@ def write_shards(cfg: DataConfig, seed: int, out: Path) -> tuple[dict, list, dic
             seen[digest].append((name, path))
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
     leaks = leaks_in(seen)
-    total, squares = written["train"].sums
-    n = len(written["train"].index) * cfg.image_size ** 2
-    mean = total / max(1, n)
-    std = np.sqrt(np.clip((squares - n * mean ** 2) / max(1, n - 1), 0, None))
-    labels = {name: w.index["label"] for name, w in written.items()}
-    meta = {
-        "source": cfg.source, "classes": classes, "channels": cfg.channels,
-        "image_size": cfg.image_size, "resize": cfg.resize,
-        "mean": mean.tolist(), "std": np.maximum(std, 1e-3).tolist(),
-        "counts": {name: {c: int((y == i).sum()) for i, c in enumerate(classes)}
-                   for name, y in labels.items()},
-        "sizes": {name: len(y) for name, y in labels.items()},
-        "sha256": shards.digest(out / name for name in SPLITS),
-        "format": "shards", "store_size": cfg.store_size,
-        "shards": {name: len(list((out / name).glob("shard-*.tar"))) for name in SPLITS},
-        "rejected": len(rejected), "duplicates_across_splits": len(leaks)}
+    total, squares = torch.from_numpy(written["train"].sums)
+    meta = meta_of(total, squares, len(written["train"].index) * cfg.image_size ** 2,
+                   {name: torch.from_numpy(w.index["label"]) for name, w in written.items()},
+                   classes, cfg, shards.digest(out / name for name in SPLITS))
+    meta |= {"format": "shards", "store_size": cfg.store_size,
+             "shards": {name: len(list((out / name).glob("shard-*.tar"))) for name in SPLITS},
+             "rejected": len(rejected), "duplicates_across_splits": len(leaks)}
     atomic_write_all({out / "meta.json": text_writer(json_text(meta))}
                      | {out / k: text_writer(v) for k, v in reports(rejected, leaks).items()})
     for name in SPLITS:  # an earlier run's tensors, of another format

@@ -318,10 +318,16 @@ def build_meta(splits: dict[str, Split], classes: list[str], cfg: DataConfig) ->
         total += chunk.sum(dim=(0, 2, 3))
         squares += chunk.square().sum(dim=(0, 2, 3))
     n = len(x) * x.shape[2] * x.shape[3]
+    return meta_of(total, squares, n, {name: s.y for name, s in splits.items()}, classes, cfg,
+                   content_hash(splits))
+
+
+def meta_of(total: Tensor, squares: Tensor, n: int, labels: dict[str, Tensor],
+            classes: list[str], cfg: DataConfig, sha256: str) -> dict:
+    """meta.json from the train split's per-channel pixel sums (float64, pixels in [0, 1]) over
+    its `n` pixels a channel, and every split's labels."""
     mean = total / n
     std = ((squares - n * mean.square()) / max(1, n - 1)).clamp_min(0).sqrt()
-    counts = {name: {c: int((s.y == i).sum()) for i, c in enumerate(classes)}
-              for name, s in splits.items()}
     return {
         "source": cfg.source,
         "classes": classes,
@@ -330,7 +336,8 @@ def build_meta(splits: dict[str, Split], classes: list[str], cfg: DataConfig) ->
         "resize": cfg.resize,
         "mean": mean.tolist(),
         "std": std.clamp_min(1e-3).tolist(),
-        "counts": counts,
-        "sizes": {name: len(s.y) for name, s in splits.items()},
-        "sha256": content_hash(splits),
+        "counts": {name: {c: int((y == i).sum()) for i, c in enumerate(classes)}
+                   for name, y in labels.items()},
+        "sizes": {name: len(y) for name, y in labels.items()},
+        "sha256": sha256,
     }

@@ -65,7 +65,8 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
             kept = "jpg" if kept == "jpg" else "png"
             img.save(out, "JPEG" if kept == "jpg" else "PNG", quality=95)
             data = out.getvalue()
-        x = fit(decode_pixels(data, channels), image_size, resize).astype(np.float64) / 255
+            img = decode_pixels(data, channels)  # as val will read it: JPEG is lossy
+        x = fit(img, image_size, resize).astype(np.float64) / 255
         return Stored(data, kept, digest, np.stack([x.sum((1, 2)), np.square(x).sum((1, 2))]))
     except (DataError, OSError) as e:
         return str(e)
@@ -206,11 +207,10 @@ class ShardImages:
         return data
 
     def pixels(self, i: int) -> Image.Image:
+        data = self.raw(i)
         try:
-            return decode_pixels(self.raw(i), self.channels)
+            return decode_pixels(data, self.channels)
         except DataError as e:
-            if str(e).startswith(str(self.folder)):
-                raise
             raise DataError(f"{self.folder / shard_name(int(self.index[i]['shard']))}: sample {i} "
                             f"does not decode ({e}); rebuild it with `dvc repro -f prepare`") from None
 
