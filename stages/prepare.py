@@ -7,7 +7,6 @@ an image folder's names and layout, before `dvc add` or `dvc repro` hash it (and
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -61,7 +60,7 @@ def main() -> None:
             meta["duplicates_across_splits"] = len(leaks)
             save_prepared(PREPARED, loaded.splits, meta, reports(rejected, leaks))
             for name in SPLITS:  # an earlier run's shards would be read before these tensors
-                shutil.rmtree(PREPARED / name, ignore_errors=True)
+                shards.remove(PREPARED / name)
         finally:  # also on a failure: the folder source's memory-mapped decode files can be large
             for scratch in PREPARED.glob(".*.npy"):
                 scratch.unlink()

@@ -264,3 +264,13 @@ def crop_box(width: int, height: int, g: torch.Generator) -> tuple[int, int, int
 
 def is_sharded(prepared: Path, name: str) -> bool:
     return (prepared / name / "index.npy").exists()
+
+
+def remove(folder: Path) -> None:
+    """A split's shards and index, what write_split writes (and its temporary files), then the
+    folder if that left it empty; anything else in it is kept."""
+    for pattern in ("shard-*.tar", ".shard-*.tar.tmp", "index.npy", ".index.tmp.npy"):
+        for path in folder.glob(pattern):
+            path.unlink()
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
