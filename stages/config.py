@@ -86,6 +86,7 @@ class DataConfig:
     max_rejected_fraction: float = 0.05
     format: str = "auto"
     store_size: int = 256
+    shard_mb: int = 128
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, SOURCES)
@@ -93,6 +94,7 @@ class DataConfig:
         _require(self.format != "shards" or self.source == "folder", "data.format", self.format,
                  "only data.source: folder is written as shards; use auto or tensors")
         _require(16 <= self.store_size <= 4096, "data.store_size", self.store_size, "must be 16..4096")
+        _require(1 <= self.shard_mb <= 4096, "data.shard_mb", self.shard_mb, "must be 1..4096")
         _choice("data.resize", self.resize, ("squash", "center_crop"))
         _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
                  and self.num_workers >= 0), "data.num_workers", self.num_workers,
