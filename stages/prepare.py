@@ -6,7 +6,10 @@ an image folder's names and layout, before `dvc add` or `dvc repro` hash it (and
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -15,14 +18,16 @@ import torch
 
 from stages.config import PREPARED, DataConfig, load_params
 from stages.data import SPLITS, save_prepared
-from stages.lib import shards
+from stages.lib import images, shards
 from stages.lib.cli import ArgumentParser, run_stage
+from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
 from stages.sources import (
     SOURCES,
     assign_splits,
     build_meta,
     check_rejected,
+    from_folder,
     leaks_in,
     list_folder,
     meta_of,
@@ -47,13 +52,16 @@ def main() -> None:
               "names and layout are fine")
         return
     # A folder listed once: at a million files the listing takes a while.
-    listing = list_folder(Path(cfg.root)) if cfg.source == "folder" and cfg.format != "tensors" \
-        else None
-    if resolve_format(cfg, listing) == "shards":
+    listing = list_folder(Path(cfg.root)) if cfg.source == "folder" else None
+    fmt = resolve_format(cfg, listing)
+    if listing is not None:
+        check_room(cfg, fmt, listing[1], PREPARED)
+    if fmt == "shards":
         meta, rejected, leaks = write_shards(cfg, params.seed, PREPARED, *listing)
     else:
         try:
-            loaded = SOURCES[cfg.source](cfg, params.seed, PREPARED)
+            loaded = from_folder(cfg, params.seed, PREPARED, listing) if listing is not None \
+                else SOURCES[cfg.source](cfg, params.seed, PREPARED)
             meta = build_meta(loaded.splits, loaded.classes, cfg)
             rejected, leaks = loaded.rejected, loaded.leaks
             meta["rejected"] = len(rejected)
@@ -61,6 +69,7 @@ def main() -> None:
             save_prepared(PREPARED, loaded.splits, meta, reports(rejected, leaks))
             for name in SPLITS:  # an earlier run's shards would be read before these tensors
                 shards.remove(PREPARED / name)
+            shutil.rmtree(partial_of(PREPARED), ignore_errors=True)
         finally:  # also on a failure: the folder source's memory-mapped decode files can be large
             for scratch in PREPARED.glob(".*.npy"):
                 scratch.unlink()
@@ -107,15 +116,70 @@ def memory_available() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_room(cfg: DataConfig, fmt: str, files: dict, out: Path) -> None:
+    """A folder too large for this machine, refused before any image is read: decoded splits
+    larger than memory (every epoch would read them from disk at random), or outputs larger
+    than the disk's free space (what `out` and a killed run's shards hold now is reused)."""
+    paths = [p for split in files.values() for p, _ in split]
+    decoded = len(paths) * cfg.channels * cfg.image_size ** 2
+    if fmt == "tensors" and decoded > (available := memory_available()):
+        raise UserError(f"{cfg.root}: decoded at data.image_size {cfg.image_size}, the "
+                        f"{len(paths):,} images take {decoded / 2**30:,.1f} GiB, more than the "
+                        f"{available / 2**30:,.1f} GiB of memory available; set data.format: "
+                        "shards (or auto) in params.yaml to keep them encoded and stream them")
+    # Shards hold the files as they are, or smaller; tensors a scratch copy and the splits.
+    need = sum(os.stat(p).st_size for p in paths) if fmt == "shards" else 2 * decoded
+    held = sum(f.stat().st_size for d in (out, partial_of(out)) if d.is_dir()
+               for f in d.rglob("*") if f.is_file())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free + held
+    if need > free:
+        switch = "lower data.store_size" if fmt == "shards" else \
+            "lower data.image_size, or set data.format: shards"
+        raise UserError(f"{out}: {fmt} of the {len(paths):,} images in {cfg.root} need about "
+                        f"{need / 2**20:,.0f} MiB, and its file system has {free / 2**20:,.0f} MiB "
+                        f"free; free space there, or {switch} in params.yaml")
+
+
+def partial_of(out: Path) -> Path:
+    """Where shards are written before they move into `out`: DVC deletes a stage's outputs
+    before it runs, so a killed run's whole shards wait here for the next."""
+    return out.with_name(f".{out.name}.partial")
+
+
+def partial_key(items: dict[str, list[tuple[Path, int]]], cfg: DataConfig) -> str:
+    """What a killed run's shards are good for: the same files (name, size, time) in the same
+    splits, the params that shape a shard, and the code that writes one."""
+    h = hashlib.sha256(json.dumps([cfg.channels, cfg.image_size, cfg.resize, cfg.store_size,
+                                   cfg.shard_mb]).encode())
+    for module in (shards, images):
+        h.update(Path(module.__file__).read_bytes())
+    for name in SPLITS:
+        for path, label in items[name]:
+            st = os.stat(path)
+            h.update(f"{name}\0{path}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
 def write_shards(cfg: DataConfig, seed: int, out: Path, classes: list[str],
                  files: dict) -> tuple[dict, list, dict]:
-    """The folder's splits as shards (stages/lib/shards.py), with meta.json and the reports."""
+    """The folder's splits as shards (stages/lib/shards.py), with meta.json and the reports.
+    Written in partial_of(out) first, and resumed there after a kill."""
     items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
+    partial, key = partial_of(out), partial_key(items, cfg)
+    if not (partial / "key").is_file() or (partial / "key").read_text() != key:
+        shutil.rmtree(partial, ignore_errors=True)  # another run's: other files or params
+        partial.mkdir(parents=True)
+        (partial / "key").write_text(key)
     written, rejected, seen = {}, [], defaultdict(list)
     for name in SPLITS:
-        written[name] = shards.write_split(out / name, items[name], cfg.channels, cfg.image_size,
-                                           cfg.resize, cfg.store_size, workers)
+        written[name] = shards.write_split(partial / name, items[name], cfg.channels,
+                                           cfg.image_size, cfg.resize, cfg.store_size,
+                                           cfg.shard_mb * 2**20, workers)
+        if written[name].resumed:
+            print(f"prepare: {name}: resumed after the {written[name].resumed} whole shards a "
+                  f"killed run left in {partial / name}", flush=True)
         rejected += written[name].rejected
         for path, digest in written[name].accepted:
             seen[digest].append((name, path))
@@ -124,14 +188,17 @@ def write_shards(cfg: DataConfig, seed: int, out: Path, classes: list[str],
     total, squares = torch.from_numpy(written["train"].sums)
     meta = meta_of(total, squares, len(written["train"].index) * cfg.image_size ** 2,
                    {name: torch.from_numpy(w.index["label"]) for name, w in written.items()},
-                   classes, cfg, shards.digest(out / name for name in SPLITS))
+                   classes, cfg, shards.digest(partial / name for name in SPLITS))
     meta |= {"format": "shards", "store_size": cfg.store_size,
-             "shards": {name: len(list((out / name).glob("shard-*.tar"))) for name in SPLITS},
+             "shards": {name: len(list((partial / name).glob("shard-*.tar"))) for name in SPLITS},
              "rejected": len(rejected), "duplicates_across_splits": len(leaks)}
+    for name in SPLITS:
+        shards.remove(out / name)
+        shards.moved(partial / name, out / name)
+        (out / f"{name}.pt").unlink(missing_ok=True)  # an earlier run's tensors, of another format
     atomic_write_all({out / "meta.json": text_writer(json_text(meta))}
                      | {out / k: text_writer(v) for k, v in reports(rejected, leaks).items()})
-    for name in SPLITS:  # an earlier run's tensors, of another format
-        (out / f"{name}.pt").unlink(missing_ok=True)
+    shutil.rmtree(partial)
     return meta, rejected, leaks
 
 

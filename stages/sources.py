@@ -68,11 +68,11 @@ def from_torchvision(source: str, cfg: DataConfig, seed: int, scratch: Path) -> 
     return Loaded(from_arrays(parts["train"].x, parts["train"].y, cfg, seed, parts["test"]), classes)
 
 
-def from_folder(cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
-    """Class sub-folders of images under `data.root`, optionally already split into
-    train/val/test; decoded into memory-mapped files in `scratch`."""
-    root = Path(cfg.root)
-    classes, files = list_folder(root)
+def from_folder(cfg: DataConfig, seed: int, scratch: Path,
+                listing: tuple[list[str], dict] | None = None) -> Loaded:
+    """Class sub-folders of images under `data.root` (`listing`: list_folder's, when done),
+    optionally already split into train/val/test; decoded into memory-mapped files in `scratch`."""
+    classes, files = listing or list_folder(Path(cfg.root))
     items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     scratch.mkdir(parents=True, exist_ok=True)

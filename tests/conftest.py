@@ -311,7 +311,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_server.py": "*",
     "test_shards.py": (  # each prepares or trains in processes of its own
         "test_a_format_changed_back_leaves_only_the_new_one",
+        "test_a_folder_whose_decoded_splits_exceed_memory_is_refused_before_decoding",
         "test_a_shard_cut_short_under_training_workers_ends_it_in_one_line_naming_it",
+        "test_prepare_killed_mid_split_resumes_after_its_whole_shards_to_the_same_bytes",
         "test_prepare_writes_the_same_shards_again",
         "test_the_loader_and_the_format_must_match_in_one_line",
     ),

@@ -4,6 +4,9 @@ files with an index, read by train's DataLoader workers (train.loader: stream)."
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import sys
 import tarfile
 
@@ -154,3 +157,115 @@ def test_a_shard_cut_short_under_training_workers_ends_it_in_one_line_naming_it(
     line = one_error_line(p.stderr)
     assert p.returncode == 1 and "data/prepared/train/shard-000000.tar: truncated: sample " in line, \
         p.stderr
+
+
+def noise_folder(root, per_class: int, side: int = 256) -> None:
+    """JPEGs of noise, about 100 KB each at 256 px: a few to a 1 MiB shard."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b", "c"):
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / c / f"{i:03d}.jpg", quality=90)
+
+
+def test_prepare_killed_mid_split_resumes_after_its_whole_shards_to_the_same_bytes(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    w = folder_workspace(tmp_path / "w")
+    noise_folder(w / "raw", 100)
+    set_params(w / "params.yaml", {"data.format": "shards", "data.channels": "3",
+                                   "data.shard_mb": "1", "data.num_workers": "1"})
+    partial, prep = w / "data/.prepared.partial", w / "data/prepared"
+    p = subprocess.Popen([sys.executable, "-m", "stages.prepare"], cwd=w, start_new_session=True,
+                         env=env_with(PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:  # killed as a crash kills it, once three of train's about 20 shards are whole
+        while not (partial / "train/shard-000002.tar.json").exists() and p.poll() is None:
+            time.sleep(0.001)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    assert not (prep / "meta.json").exists()
+    whole = sorted(partial.glob("train/shard-*.tar.json"))
+    assert len(whole) >= 3
+    inodes = {f.stem: f.with_suffix("").stat().st_ino for f in whole}
+    shutil.rmtree(prep, ignore_errors=True)  # as `dvc repro` does before it runs the stage
+    said = run([sys.executable, "-m", "stages.prepare"], w, env=env_with(PYTHONPATH=str(ROOT))).stdout
+    assert f"prepare: train: resumed after the {len(whole)} whole shards a killed run left in " \
+        "data/.prepared.partial/train" in said, said
+    # The written shards were not written again: the files moved into data/prepared.
+    assert {n: (prep / "train" / n).stat().st_ino for n in inodes} == inodes
+    assert not partial.exists()
+    resumed = {f.relative_to(prep): f.read_bytes() for f in prep.rglob("*") if f.is_file()}
+    shutil.rmtree(prep)
+    run([sys.executable, "-m", "stages.prepare"], w, env=env_with(PYTHONPATH=str(ROOT)))
+    assert resumed == {f.relative_to(prep): f.read_bytes() for f in prep.rglob("*") if f.is_file()}
+    assert len(list(prep.glob("train/shard-*.tar"))) > len(whole)
+
+
+def test_a_folder_whose_decoded_splits_exceed_memory_is_refused_before_decoding(tmp_path):
+    import io
+
+    from PIL import Image
+
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    n = total // (3 * 1024**2) + 100  # each decoded at 1024 px: 3 MiB, over all the memory
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, "PNG")
+    w = folder_workspace(tmp_path / "w")
+    for c in ("a", "b"):
+        (w / "raw" / c).mkdir(parents=True)
+        for i in range(n // 2 + 1):
+            (w / "raw" / c / f"{i}.png").write_bytes(png.getvalue())
+    set_params(w / "params.yaml", {"data.format": "tensors", "data.channels": "3",
+                                   "data.image_size": "1024"})
+    p = run([sys.executable, "-m", "stages.prepare"], w, check=False,
+            env=env_with(PYTHONPATH=str(ROOT)))
+    line = one_error_line(p.stderr)
+    assert p.returncode == 1 and f"raw: decoded at data.image_size 1024, the {2 * (n // 2 + 1):,} " \
+        "images take " in line and "GiB of memory available; set data.format: shards (or auto)" \
+        in line, p.stderr
+    assert not (w / "data/prepared").exists() or not any((w / "data/prepared").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="mounts a small tmpfs in a mount namespace of its own: needs root")
+def test_shards_larger_than_the_free_disk_are_refused_before_work(tmp_path):
+    w = folder_workspace(tmp_path / "w")
+    noise_folder(w / "raw", 10)  # 30 files, about 3 MiB
+    set_params(w / "params.yaml", {"data.format": "shards", "data.channels": "3"})
+    (w / "data").mkdir()
+    # data/ on a 1 MiB tmpfs, seen by this command alone (unshare's private propagation).
+    p = run(["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=1m tmpfs data && exec "$0" '
+             '-m stages.prepare', sys.executable], w, check=False,
+            env=env_with(PYTHONPATH=str(ROOT)))
+    line = one_error_line(p.stderr)
+    assert p.returncode == 1 and re.search(r"data/prepared: shards of the 30 images in raw need "
+                                           r"about [23] MiB, and its file system has 1 MiB free; "
+                                           "free space there, or lower data.store_size", line), p.stderr
+    assert not any((w / "data").iterdir())
+
+
+def test_two_ranks_stream_disjoint_halves_of_every_epoch(both):
+    from stages.batches import loader_batches, plan_batches, rank_order
+
+    split = load_split(both["shards"][0] / "data/prepared", "train")
+    n = len(split.y)
+    plan = plan_batches(n, 4, world=2, accumulate=1)
+    seen = {}
+    for rank in (0, 1):  # each rank's own DataLoader, with 2 workers, as under torchrun
+        batches = loader_batches(split, plan, torch.device("cpu"), 7, True, rank, 2, 2)
+        for epoch in (0, 1):
+            seen[rank, epoch] = [i for _, _, idx in batches(epoch) for i in idx.tolist()]
+    for epoch in (0, 1):
+        a, b = seen[0, epoch], seen[1, epoch]
+        assert not set(a) & set(b) and len(a) == len(b) == n // 2
+        assert sorted(a + b) == sorted(rank_order(n, 7, epoch, True, 0, 1)[: n - n % 2].tolist())
+    assert seen[0, 0] != seen[0, 1]

@@ -1,6 +1,6 @@
 """Prepared splits as shards (`data.format: shards`), for image folders whose decoded splits would
 not fit in memory. Each split is a folder of tar files in WebDataset's layout (`<key>.<ext>` the
-image file, `<key>.cls` its label: WebDataset, DALI and `tar` read them), about SHARD_BYTES each,
+image file, `<key>.cls` its label: WebDataset, DALI and `tar` read them), about `data.shard_mb` each,
 and index.npy: where each sample's bytes are. Images are kept encoded, downsized only past
 `data.store_size`, so train decodes and augments them at that resolution (a random-resized crop,
 in DataLoader workers), while val, test, evaluate and predict decode them with
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import tarfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,9 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from stages.lib.files import write_text
 from stages.lib.images import DataError, check_size, decode_pixels, fit, open_image, parallel_map
 
-SHARD_BYTES = 128 * 2**20
 INDEX = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("label", "<i8")])
 # Formats kept byte for byte (when within store_size); others (BMP, TIFF) are stored as PNG.
 KEPT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -73,16 +74,20 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
 
 
 class ShardWriter:
-    """Tar files of SHARD_BYTES in `folder`, each written under a temporary name and renamed
-    when whole; members with fixed owners and times, so the same samples give the same bytes."""
+    """Tar files of about `shard_bytes` in `folder`, numbered from `first`, each written under a
+    temporary name and renamed when whole; members with fixed owners and times, so the same
+    samples give the same bytes."""
 
-    def __init__(self, folder: Path):
-        self.folder, self.count, self.tar, self.tmp = folder, 0, None, None
+    def __init__(self, folder: Path, shard_bytes: int, first: int = 0):
+        self.folder, self.shard_bytes, self.count = folder, shard_bytes, first
+        self.tar, self.tmp = None, None
+
+    def full(self) -> bool:
+        return self.tar is not None and self.tar.offset >= self.shard_bytes
 
     def add(self, key: str, ext: str, data: bytes, label: int) -> tuple[int, int]:
         """Writes one sample; returns (shard, offset of its image bytes)."""
-        if self.tar is None or self.tar.offset >= SHARD_BYTES:
-            self.close()
+        if self.tar is None:
             self.tmp = self.folder / f".{shard_name(self.count)}.tmp"
             self.tar = tarfile.open(self.tmp, "w", format=tarfile.USTAR_FORMAT)
         offset = self._member(f"{key}.{ext}", data)
@@ -96,11 +101,28 @@ class ShardWriter:
         self.tar.addfile(info, io.BytesIO(data))
         return start + tarfile.BLOCKSIZE  # a USTAR header of a short name is one block
 
-    def close(self) -> None:
-        if self.tar is not None:
-            self.tar.close()
-            os.replace(self.tmp, self.folder / shard_name(self.count))
-            self.count, self.tar = self.count + 1, None
+    def close(self) -> Path | None:
+        """The shard now whole, under its name (None when no sample was added)."""
+        if self.tar is None:
+            return None
+        self.tar.close()
+        path = self.folder / shard_name(self.count)
+        os.replace(self.tmp, path)
+        self.count, self.tar = self.count + 1, None
+        return path
+
+
+@dataclass
+class Piece:
+    """What one shard holds, written beside it (`shard-N.tar.json`) once it is whole: a killed
+    prepare resumes after the last whole shard, and a resumed split adds up as an uninterrupted
+    one does, piece by piece."""
+    end: int  # items[:end] are done: in this shard or an earlier one, or rejected
+    bytes: int  # the shard's size
+    rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # INDEX rows
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    accepted: list[tuple[str, str]] = field(default_factory=list)  # (path, sha256)
+    sums: list[list[float]] = field(default_factory=list)  # (2, C)
 
 
 @dataclass
@@ -109,33 +131,75 @@ class WrittenSplit:
     rejected: list[tuple[str, str]]
     accepted: list[tuple[str, str]]  # (path, sha256)
     sums: np.ndarray  # (2, C) over the split
+    resumed: int  # shards an earlier, killed run had written whole
+
+
+def written_pieces(folder: Path) -> list[Piece]:
+    """The whole shards an earlier run left in `folder`, in order, up to the first one missing
+    or of another size; the rest (and any half-written shard) is deleted."""
+    pieces: list[Piece] = []
+    while True:
+        shard, record = folder / shard_name(len(pieces)), folder / f"{shard_name(len(pieces))}.json"
+        try:
+            piece = Piece(**json.loads(record.read_text()))
+            if shard.stat().st_size == piece.bytes:
+                pieces.append(piece)
+                continue
+        except (OSError, ValueError, TypeError):
+            pass
+        break
+    for path in folder.glob("*shard-*"):
+        if int(path.name.lstrip(".").split("-")[1][:6]) >= len(pieces):
+            path.unlink()
+    return pieces
 
 
 def write_split(folder: Path, items: list[tuple[Path, int]], channels: int, image_size: int,
-                resize: str, store_size: int, workers: int) -> WrittenSplit:
-    """A split's images into shards in `folder`, in the order of `items`."""
+                resize: str, store_size: int, shard_bytes: int, workers: int) -> WrittenSplit:
+    """A split's images into shards in `folder`, in the order of `items`, after the shards a
+    killed run had written whole there."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
-    jobs = [(str(p), channels, image_size, resize, store_size) for p, _ in items]
-    writer, rows = ShardWriter(folder), []
-    rejected, accepted, sums = [], [], np.zeros((2, channels))
-    for (path, label), got in tqdm(zip(items, parallel_map(store_one, jobs, workers), strict=True),
-                                   total=len(items), desc=f"shard {folder.name}", mininterval=2,
-                                   disable=len(items) < 1000):
+    pieces = written_pieces(folder)
+    resumed, start = len(pieces), pieces[-1].end if pieces else 0
+    jobs = [(str(p), channels, image_size, resize, store_size) for p, _ in items[start:]]
+    writer = ShardWriter(folder, shard_bytes, len(pieces))
+    piece, sums = Piece(start, 0), np.zeros((2, channels))
+    rows = sum(len(p.rows) for p in pieces)
+
+    def finish(end: int) -> None:  # the open shard is whole: rename it, record its piece
+        nonlocal piece, sums
+        path = writer.close()
+        piece.end, piece.bytes, piece.sums = end, path.stat().st_size, sums.tolist()
+        write_text(path.with_name(path.name + ".json"), json.dumps(asdict(piece)))
+        pieces.append(piece)
+        piece, sums = Piece(end, 0), np.zeros((2, channels))
+
+    work = zip(items[start:], parallel_map(store_one, jobs, workers), strict=True)
+    for pos, ((path, label), got) in enumerate(tqdm(work, total=len(jobs), desc=f"shard {folder.name}",
+                                                    mininterval=2, disable=len(jobs) < 1000), start):
         if isinstance(got, str):
-            rejected.append((str(path), got))
+            piece.rejected.append((str(path), got))
             continue
-        shard, offset = writer.add(f"{len(rows):09d}", got.ext, got.data, label)
-        rows.append((shard, offset, len(got.data), label))
-        accepted.append((str(path), got.sha256))
+        if writer.full():
+            finish(pos)
+        shard, offset = writer.add(f"{rows:09d}", got.ext, got.data, label)
+        piece.rows.append((shard, offset, len(got.data), label))
+        piece.accepted.append((str(path), got.sha256))
         sums += got.sums
-    writer.close()
-    index = np.array(rows, dtype=INDEX)
+        rows += 1
+    tail = piece.rejected  # rejected files after the last shard, if none is open
+    if writer.tar is not None:
+        tail = []
+        finish(len(items))
+    index = np.array([tuple(r) for p in pieces for r in p.rows], dtype=INDEX)
     tmp = folder / ".index.tmp.npy"
     np.save(tmp, index)
     os.replace(tmp, folder / "index.npy")
-    return WrittenSplit(index, rejected, accepted, sums)
+    return WrittenSplit(index, [tuple(r) for p in pieces for r in p.rejected] + tail,
+                        [tuple(a) for p in pieces for a in p.accepted],
+                        sum((np.array(p.sums) for p in pieces), np.zeros((2, channels))), resumed)
 
 
 def digest(folders: Iterable[Path]) -> str:
@@ -266,10 +330,19 @@ def is_sharded(prepared: Path, name: str) -> bool:
     return (prepared / name / "index.npy").exists()
 
 
+def moved(src: Path, dest: Path) -> None:
+    """A split written in `src` into `dest`, by renames (the same file system); its pieces'
+    records stay behind."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in sorted(src.glob("shard-*.tar")) + [src / "index.npy"]:
+        os.replace(path, dest / path.name)
+
+
 def remove(folder: Path) -> None:
     """A split's shards and index, what write_split writes (and its temporary files), then the
     folder if that left it empty; anything else in it is kept."""
-    for pattern in ("shard-*.tar", ".shard-*.tar.tmp", "index.npy", ".index.tmp.npy"):
+    for pattern in ("shard-*.tar", ".shard-*.tar.tmp", "shard-*.tar.json", "index.npy",
+                    ".index.tmp.npy"):
         for path in folder.glob(pattern):
             path.unlink()
     if folder.is_dir() and not any(folder.iterdir()):
