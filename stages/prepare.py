@@ -118,8 +118,9 @@ def memory_available() -> int:
 
 def check_room(cfg: DataConfig, fmt: str, files: dict, out: Path) -> None:
     """A folder too large for this machine, refused before any image is read: decoded splits
-    larger than memory (every epoch would read them from disk at random), or outputs larger
-    than the disk's free space (what `out` and a killed run's shards hold now is reused)."""
+    larger than memory (every epoch would read them from disk at random), or shards larger than
+    the disk's free space (a killed run's shards count as written). Tensors reserve their
+    scratch file's blocks before they decode into it (sources.decode_split)."""
     paths = [p for split in files.values() for p, _ in split]
     decoded = len(paths) * cfg.channels * cfg.image_size ** 2
     if fmt == "tensors" and decoded > (available := memory_available()):
@@ -127,18 +128,19 @@ def check_room(cfg: DataConfig, fmt: str, files: dict, out: Path) -> None:
                         f"{len(paths):,} images take {decoded / 2**30:,.1f} GiB, more than the "
                         f"{available / 2**30:,.1f} GiB of memory available; set data.format: "
                         "shards (or auto) in params.yaml to keep them encoded and stream them")
-    # Shards hold the files as they are, or smaller; tensors a scratch copy and the splits.
-    need = sum(os.stat(p).st_size for p in paths) if fmt == "shards" else 2 * decoded
-    held = sum(f.stat().st_size for d in (out, partial_of(out)) if d.is_dir()
-               for f in d.rglob("*") if f.is_file())
+    if fmt != "shards":
+        return
+    need = sum(os.stat(p).st_size for p in paths)  # the files as they are, or downsized
+    partial = partial_of(out)
+    written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) \
+        if partial.is_dir() else 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out.parent).free + held
-    if need > free:
-        switch = "lower data.store_size" if fmt == "shards" else \
-            "lower data.image_size, or set data.format: shards"
-        raise UserError(f"{out}: {fmt} of the {len(paths):,} images in {cfg.root} need about "
-                        f"{need / 2**20:,.0f} MiB, and its file system has {free / 2**20:,.0f} MiB "
-                        f"free; free space there, or {switch} in params.yaml")
+    free = shutil.disk_usage(out.parent).free
+    if need - written > free:
+        raise UserError(f"{out}: shards of the {len(paths):,} images in {cfg.root} need about "
+                        f"{(need - written) / 2**20:,.1f} MiB more, and its file system has "
+                        f"{free / 2**20:,.1f} MiB free; free space there, or lower "
+                        "data.store_size in params.yaml")
 
 
 def partial_of(out: Path) -> Path:
