@@ -5,15 +5,15 @@ picks it. Nothing else lists the models: config reads the names from this file's
 `ARCHS` stays a dict written out with string keys. tests/test_contracts.py checks every entry
 against this contract (all but `torch.compile`):
 
-- Builder: `(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module`, and all it
-  builds follows from those three: model.pt and model.json store `model_params` (the `model`
-  section), channels and the class names, and evaluate, export, predict and serving rebuild
-  the model from them alone. The image size is not among them: a layer sized by it (an MLP's
-  first) pools to a fixed size first. A new hyperparameter is a `ModelConfig` field with a
-  default and a bound in its `__post_init__` (a forged file can name any value, and its
-  skeleton is built before anything is checked), in params.yaml and in docs/params.md's parameter
-  table (test_config.py checks both); the existing ones, `width` and `dropout`, a builder may
-  ignore.
+- Builder: `(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module`,
+  and all it builds follows from those four: model.pt and model.json store `model_params` (the
+  `model` section), the input shape and the class names, and evaluate, export, predict and
+  serving rebuild the model from them alone. The image size may choose layers (resnet18's
+  stem), not size them: a layer sized by it (an MLP's first) pools to a fixed size first. A new
+  hyperparameter is a `ModelConfig` field with a default and a bound in its `__post_init__` (a
+  forged file can name any value, and its skeleton is built before anything is checked), in
+  params.yaml and in docs/params.md's parameter table (test_config.py checks both); the existing
+  ones, `width` and `dropout`, a builder may ignore.
 - Weights: same seed, same weights, bitwise. Build with torch's default initializers, drawing
   only from torch's global generator (train seeds it first), in a fixed order; no pretrained
   weights, no download, no files read.
@@ -52,7 +52,7 @@ def _block(c_in: int, c_out: int) -> nn.Sequential:
                          nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
 
 
-def small_cnn(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
+def small_cnn(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module:
     """A VGG-style CNN for small images (8 to 64 px): two pooled stages, global average pool."""
     w = cfg.width
     return nn.Sequential(
@@ -63,27 +63,37 @@ def small_cnn(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
     )
 
 
-def small_resnet18(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
-    """torchvision's resnet18 for small inputs: a 3x3 stride-1 stem and no max-pool, as for CIFAR."""
-    from torchvision.models import resnet18
+# From this size resnet18 keeps torchvision's ImageNet stem (a 7x7 stride-2 convolution and a
+# max-pool: 4x smaller feature maps). Below it, the CIFAR stem keeps small images from pooling
+# away; at 224 px it would cost about 16x the FLOPs.
+IMAGENET_STEM_FROM = 128
 
-    m = resnet18(num_classes=num_classes)
-    m.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
-    m.maxpool = nn.Identity()
+
+def resnet18(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """torchvision's resnet18; for images under IMAGENET_STEM_FROM px a 3x3 stride-1 stem and no
+    max-pool, as for CIFAR."""
+    from torchvision.models import resnet18 as tv_resnet18
+
+    m = tv_resnet18(num_classes=num_classes)
+    if image_size < IMAGENET_STEM_FROM:
+        m.conv1 = nn.Conv2d(channels, 64, 3, stride=1, padding=1, bias=False)
+        m.maxpool = nn.Identity()
+    elif channels != 3:
+        m.conv1 = nn.Conv2d(channels, 64, 7, stride=2, padding=3, bias=False)
     m.fc = nn.Sequential(nn.Dropout(cfg.dropout), m.fc)
     return m
 
 
-ARCHS: dict[str, Callable[[ModelConfig, int, int], nn.Module]] = {
+ARCHS: dict[str, Callable[[ModelConfig, int, int, int], nn.Module]] = {
     "cnn": small_cnn,
-    "resnet18": small_resnet18,
+    "resnet18": resnet18,
 }
 
 
-def build_model(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
+def build_model(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module:
     if cfg.arch not in ARCHS:
         raise ValueError(f"unknown model.arch {cfg.arch!r}; choose from {sorted(ARCHS)}")
-    return ARCHS[cfg.arch](cfg, channels, num_classes)
+    return ARCHS[cfg.arch](cfg, channels, num_classes, image_size)
 
 
 def count_params(model: nn.Module) -> int:
@@ -96,12 +106,12 @@ def loss_fn(label_smoothing: float = 0.0) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=label_smoothing)
 
 
-def skeleton(cfg: ModelConfig, channels: int, num_classes: int) -> nn.Module:
+def skeleton(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module:
     """The architecture on the meta device: every tensor's name, shape and dtype, and no memory.
     What a file claims is checked against it before anything of the claimed size is allocated
     or read (a forged file can claim any size)."""
     with torch.device("meta"):
-        return build_model(cfg, channels, num_classes)
+        return build_model(cfg, channels, num_classes, image_size)
 
 
 def output_key(model: nn.Module) -> str:

@@ -62,7 +62,8 @@ def eager_runner(model: Path, spec: dict):
         if not isinstance(params, dict):
             raise ParamsError("params.yaml: give the model section of params.yaml as an object")
         check_schema(params, ModelConfig, "model.")  # types and unknown keys, as in params.yaml
-        net = skeleton(ModelConfig(**params), spec["input_shape"][0], len(spec["classes"]))
+        net = skeleton(ModelConfig(**params), spec["input_shape"][0], len(spec["classes"]),
+                       spec["input_shape"][1])
     except ParamsError as e:
         raise DataError(f"{spec_path}: model_params={reprlib.repr(params)} is invalid: "
                         f"{str(e).removeprefix('params.yaml: ')}; export the model again "

@@ -62,7 +62,7 @@ def train_stage(params: Params, rank: int, world: int) -> None:
     train_split, val_split = load_split(PREPARED, "train"), load_split(PREPARED, "val")
 
     torch.manual_seed(params.seed)
-    model = build_model(params.model, meta["channels"], len(meta["classes"]))
+    model = build_model(params.model, meta["channels"], len(meta["classes"]), meta["image_size"])
 
     started = training_params(params)
     key, ckpt_dir, resume = checkpoint_run(started, meta, params.train.checkpoint_dir, rank,

@@ -73,7 +73,7 @@ def load(path: Path) -> tuple[nn.Module, TrainedModel]:
         trained = TrainedModel(**{f.name: stored[_KEYS.get(f.name, f.name)]
                                   for f in dataclasses.fields(TrainedModel)})
         model = fill(skeleton(ModelConfig(**trained.model_params), trained.channels,
-                              len(trained.classes)), trained.weights)
+                              len(trained.classes), trained.image_size), trained.weights)
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         why = str(e).splitlines()[0].removeprefix("params.yaml: ")  # ModelConfig's ParamsError
         raise CheckpointRefused(f"{path}: its weights do not fit the model params stored with "

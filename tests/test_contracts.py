@@ -30,7 +30,7 @@ CHANNELS, CLASSES, SIZE = 3, 7, 8
 
 def built(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return build_model(ModelConfig(arch=arch, width=4), CHANNELS, CLASSES)
+    return build_model(ModelConfig(arch=arch, width=4), CHANNELS, CLASSES, SIZE)
 
 
 def images(n: int, seed: int = 1) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_a_seed_builds_the_same_weights_and_the_model_classifies(arch):
 @pytest.mark.parametrize("arch", list(models.ARCHS))
 def test_it_builds_on_meta_and_its_last_tensor_is_the_output_bias(arch):
     """predict names a class-count mismatch by the last tensor of the architecture."""
-    net = skeleton(ModelConfig(arch=arch, width=4), CHANNELS, CLASSES)
+    net = skeleton(ModelConfig(arch=arch, width=4), CHANNELS, CLASSES, SIZE)
     assert all(t.is_meta for t in net.state_dict().values())  # built without memory
     model = settled(built(arch))
     assert weights_mismatch(net, described(model.state_dict())) is None
@@ -101,11 +101,34 @@ def test_rebuilt_from_its_params_alone_it_gives_the_same_outputs(arch, tmp_path)
     from_file, trained = weights.load(tmp_path / "model.pt")
     spec = json.loads(json.dumps(trained.spec()))  # model.json's round trip
     from_json = fill(skeleton(ModelConfig(**spec["model_params"]), spec["input_shape"][0],
-                              len(spec["classes"])), model.state_dict())
+                              len(spec["classes"]), spec["input_shape"][1]), model.state_dict())
     x = images(5)
     with torch.no_grad():
         want = model(x)
         assert torch.equal(from_file(x), want) and torch.equal(from_json(x), want)
+
+
+def test_resnet18_takes_imagenet_stem_at_large_sizes_and_rebuilds_with_it(tmp_path):
+    """From IMAGENET_STEM_FROM px the 7x7 stride-2 stem and max-pool: layer1 works at a quarter
+    of the side (a sixteenth of the FLOPs); evaluate and predict rebuild it from model.pt."""
+    cfg, size = ModelConfig(arch="resnet18", width=4), models.IMAGENET_STEM_FROM
+    torch.manual_seed(0)
+    large = settled(build_model(cfg, CHANNELS, CLASSES, size))
+    small = skeleton(cfg, CHANNELS, CLASSES, size - 1)
+    assert (large.conv1.kernel_size, large.conv1.stride) == ((7, 7), (2, 2))
+    assert (small.conv1.kernel_size, small.conv1.stride) == ((3, 3), (1, 1))
+    x = torch.randn(2, CHANNELS, size, size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stem = large.maxpool(large.relu(large.bn1(large.conv1(x))))
+    assert stem.shape[-2:] == (size // 4, size // 4)
+    meta = {"classes": [f"c{i}" for i in range(CLASSES)], "mean": [0.5] * CHANNELS,
+            "std": [0.25] * CHANNELS, "channels": CHANNELS, "image_size": size, "resize": "squash"}
+    atomic_write_all(weights.writes(tmp_path / "model.pt", large, cfg, meta, best_epoch=1))
+    from_file, _ = weights.load(tmp_path / "model.pt")
+    with torch.no_grad():
+        assert torch.equal(from_file(x), large(x))
+    gray = skeleton(cfg, 1, CLASSES, size)  # one channel: its own 7x7 stem
+    assert gray.conv1.weight.shape == (64, 1, 7, 7)
 
 
 @pytest.mark.parametrize("arch", list(models.ARCHS))

@@ -30,7 +30,7 @@ from tests.support.workspaces import one_error_line
 
 def test_exports_hold_no_paths_and_keep_a_dynamic_batch(tmp_path):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(width=4), channels=1, num_classes=3).eval()
+    model = build_model(ModelConfig(width=4), channels=1, num_classes=3, image_size=16).eval()
     example = torch.randn(2, 1, 16, 16)
     program = export_program(model, example)
     export_onnx(program, tmp_path / "m.onnx", opset=18)

@@ -123,7 +123,7 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
         # The same initial weights in every row. CIFAR-sized images get a CIFAR-sized width.
         model_cfg = params.model if name != "cifar" else \
             dataclasses.replace(params.model, width=cifar_width)
-        init = build_model(model_cfg, data[4], data[5])
+        init = build_model(model_cfg, data[4], data[5], data[0].x.shape[-1])
         widths[name] = model_cfg.width
         samples: dict[str, list[dict]] = {r: [] for r in rows}
         warmup: dict[str, dict] = {}

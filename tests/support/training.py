@@ -24,7 +24,7 @@ def linear_model(seed: int = 0) -> nn.Module:
 
 def cnn(seed: int = 0, width: int = 8) -> nn.Module:
     torch.manual_seed(seed)
-    return build_model(ModelConfig(width=width, dropout=0.1), 1, 10)
+    return build_model(ModelConfig(width=width, dropout=0.1), 1, 10, 16)
 
 
 def fit(model, digits, n: int | None = None, epochs: int = 1, batch_size: int = 32,
