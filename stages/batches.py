@@ -20,7 +20,7 @@ from stages.config import TrainConfig, batch_share
 from stages.data import Split
 from stages.lib.errors import UserError
 from stages.lib.images import DataError
-from stages.lib.shards import ShardImages
+from stages.lib.shards import ShardImages, decoded_on_gpu
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
 Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
@@ -83,8 +83,11 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
                    shuffle: bool, rank: int, world: int, num_workers: int | str) -> Batches:
     workers = resolve_workers(num_workers)
     streamed = isinstance(split.x, ShardImages)
+    # On CUDA the GPU decodes the JPEGs (nvJPEG): workers only read them and draw their crops.
+    on_gpu = streamed and device.type == "cuda"
     sampler = EpochSampler(len(split.y), seed, shuffle, rank, world, keyed=streamed)
-    dataset = StreamedDataset(split, seed) if streamed else IndexedDataset(split)
+    dataset = (EncodedStream if on_gpu else StreamedDataset)(split, seed) if streamed \
+        else IndexedDataset(split)
     dl = torch.utils.data.DataLoader(
         dataset, batch_size=plan.sizes[0], sampler=sampler, num_workers=workers,
         # Pinned (page-locked) host memory lets the copy below run asynchronously via DMA.
@@ -94,11 +97,14 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
         drop_last=sum(plan.sizes) < len(sampler),
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
         # each epoch, which shifts the dropout masks away from the device path's.
-        generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker)
+        generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker,
+        collate_fn=EncodedStream.collate if on_gpu else None)
 
     def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         sampler.set_epoch(epoch)
-        for x, y, idx in dl:
+        for batch in dl:
+            x, y, idx = batch if not on_gpu else \
+                (decoded_on_gpu(*batch[:2], split.x.size, split.x.channels, device), *batch[2:])
             if streamed and bool((idx < 0).any()):
                 failed = -1 - int(idx[idx < 0][0])
                 split.x.pixels(failed)  # its error, here in one line (not in a worker's traceback)
@@ -214,10 +220,33 @@ class StreamedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.y)
 
+    def crop_seed(self, i: int, epoch: int) -> int:
+        return int(_hash(self.seed, epoch, torch.tensor([i]), 4)[0]) % 2**63
+
     def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
         i, epoch = key
-        crop_seed = int(_hash(self.seed, epoch, torch.tensor([i]), 4)[0]) % 2**63
         try:
-            return self.x.cropped(i, crop_seed), self.y[i], i
+            return self.x.cropped(i, self.crop_seed(i, epoch)), self.y[i], i
         except DataError:  # a negative index: the training process reports it (loader_batches)
             return torch.zeros(self.x.shape[1:], dtype=torch.uint8), self.y[i], -1 - i
+
+
+class EncodedStream(StreamedDataset):
+    """StreamedDataset for the GPU's decoder: a JPEG sample as its bytes and crop box
+    (ShardImages.jpeg_crop), any other decoded and cropped here (its box -1)."""
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, int]:
+        i, epoch = key
+        seed = self.crop_seed(i, epoch)
+        try:
+            if (got := self.x.jpeg_crop(i, seed)) is not None:
+                return got[0], got[1], self.y[i], i
+            return self.x.cropped(i, seed), torch.full((4,), -1), self.y[i], i
+        except DataError:
+            return torch.zeros(self.x.shape[1:], dtype=torch.uint8), torch.full((4,), -1), \
+                self.y[i], -1 - i
+
+    @staticmethod
+    def collate(samples: list) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+        payloads, boxes, ys, idx = zip(*samples, strict=True)
+        return list(payloads), torch.stack(boxes), torch.stack(ys), torch.tensor(idx)

@@ -111,6 +111,53 @@ def test_two_short_cuda_runs_give_bitwise_identical_weights(digits):
     assert same_weights(runs[0].model, runs[1].model)
 
 
+@pytest.fixture(scope="module")
+def jpeg_shards(tmp_path_factory):
+    """A folder of JPEGs (with a PNG and a CMYK JPEG, which the workers decode) as shards."""
+    from PIL import Image
+
+    from tests.conftest import env_with, run, set_params
+    from tests.support.image_files import noise_folder
+    from tests.support.workspaces import folder_workspace
+
+    w = folder_workspace(tmp_path_factory.mktemp("jpeg") / "w")
+    noise_folder(w / "raw", 20, side=96)
+    Image.new("RGB", (80, 64), (200, 30, 30)).save(w / "raw/a/red.png")
+    Image.new("CMYK", (64, 80), (0, 200, 0, 30)).save(w / "raw/b/cmyk.jpg")
+    set_params(w / "params.yaml", {"data.format": "shards", "data.channels": "3",
+                                   "data.image_size": "32"})
+    run([sys.executable, "-m", "stages.prepare"], w, env=env_with(PYTHONPATH=str(ROOT)))
+    return w / "data/prepared"
+
+
+def test_streamed_jpegs_decode_on_the_gpu_as_the_workers_would_crop_them(jpeg_shards):
+    from stages.batches import EncodedStream, StreamedDataset
+    from stages.data import load_split
+    from stages.lib.shards import decoded_on_gpu
+
+    split = load_split(jpeg_shards, "train")
+    enc, ref = EncodedStream(split, 3), StreamedDataset(split, 3)
+    n = len(split.y)
+    payloads, boxes, _, _ = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
+    x = decoded_on_gpu(payloads, boxes, 32, 3, torch.device("cuda"))
+    want = torch.stack([ref[(i, 1)][0] for i in range(n)]).cuda()
+    jpeg = (boxes[:, 0] >= 0).cuda()
+    assert x.is_cuda and 0 < int(jpeg.sum()) < n
+    assert torch.equal(x[~jpeg], want[~jpeg])
+    # nvJPEG's IDCT and upsampling, and torch's resize against Pillow's: a few levels at most.
+    diff = (x[jpeg].int() - want[jpeg].int()).abs().float().mean(dim=(1, 2, 3))
+    assert diff.max() < 3, diff
+
+
+def test_streamed_training_on_cuda_decodes_on_the_gpu_bitwise_whatever_the_workers(jpeg_shards):
+    from tests.support.training import stream_fit
+
+    runs = [stream_fit(jpeg_shards, workers, precision="auto", **CUDA | {"loader": "auto"})
+            for workers in (0, 2)]
+    assert runs[0].loader == "stream" and runs[0].device.startswith("cuda")
+    assert same_weights(runs[0].model, runs[1].model)
+
+
 def test_the_stage_under_torchrun_with_one_process_on_cuda(tmp_path, digits, mlflow_uri):
     import json
 

@@ -12,14 +12,11 @@ import tarfile
 import pytest
 import torch
 
-from stages.config import ModelConfig, TrainConfig
 from stages.data import SPLITS, load_meta, load_split
 from stages.lib.images import DataError
-from stages.loop import Job, RunIO, train
-from stages.models import build_model
 from tests.conftest import ROOT, env_with, run, set_params
-from tests.support.image_files import make_folder
-from tests.support.training import CPU_FP32, same_weights
+from tests.support.image_files import make_folder, noise_folder
+from tests.support.training import same_weights, stream_fit
 from tests.support.workspaces import folder_workspace, one_error_line
 
 
@@ -69,17 +66,6 @@ def test_prepare_writes_the_same_shards_again(both, tmp_path):
     after = {p.relative_to(sw): p.read_bytes() for p in (sw / "data/prepared").rglob("*")
              if p.is_file()}
     assert before == after
-
-
-def stream_fit(prep, workers: int, epochs: int = 2):
-    meta = load_meta(prep)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(width=8), 3, len(meta["classes"]), meta["image_size"])
-    cfg = TrainConfig(**{**CPU_FP32, "loader": "auto", "num_workers": workers, "augment_crop_pad": 1,
-                         "augment_hflip": True})
-    job = Job(train=load_split(prep, "train"), val=load_split(prep, "val"), mean=meta["mean"],
-              std=meta["std"], cfg=cfg, lr=3e-3, epochs=epochs, batch_size=16, seed=0)
-    return train(model, job, RunIO(progress=False))
 
 
 def test_streamed_training_is_the_same_bytes_whatever_the_number_of_workers(both):
@@ -156,19 +142,6 @@ def test_a_shard_cut_short_under_training_workers_ends_it_in_one_line_naming_it(
     line = one_error_line(p.stderr)
     assert p.returncode == 1 and "data/prepared/train/shard-000000.tar: truncated: sample " in line, \
         p.stderr
-
-
-def noise_folder(root, per_class: int, side: int = 256) -> None:
-    """JPEGs of noise, about 100 KB each at 256 px: a few to a 1 MiB shard."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for c in ("a", "b", "c"):
-        (root / c).mkdir(parents=True)
-        for i in range(per_class):
-            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / c / f"{i:03d}.jpg", quality=90)
 
 
 def test_prepare_killed_mid_split_resumes_after_its_whole_shards_to_the_same_bytes(tmp_path):
@@ -269,3 +242,24 @@ def test_two_ranks_stream_disjoint_halves_of_every_epoch(both):
         assert not set(a) & set(b) and len(a) == len(b) == n // 2
         assert sorted(a + b) == sorted(rank_order(n, 7, epoch, True, 0, 1)[: n - n % 2].tolist())
     assert seen[0, 0] != seen[0, 1]
+
+
+def test_the_gpu_decoders_batches_are_the_workers_crops(both):
+    """What the CUDA path does (EncodedStream, then decoded_on_gpu), run here on the CPU, where
+    torchvision decodes JPEG with libjpeg-turbo as Pillow does: the same crop boxes, the other
+    formats decoded in the workers as before, the JPEGs within a level of Pillow's bicubic on
+    average (torch's resize, not Pillow's). tests/test_gpu.py runs it with nvJPEG."""
+    from stages.batches import EncodedStream, StreamedDataset
+    from stages.lib.shards import decoded_on_gpu
+
+    split = load_split(both["shards"][0] / "data/prepared", "train")
+    enc, ref = EncodedStream(split, 3), StreamedDataset(split, 3)
+    n = len(split.y)
+    payloads, boxes, ys, idx = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
+    x = decoded_on_gpu(payloads, boxes, split.x.size, split.x.channels, torch.device("cpu"))
+    want = torch.stack([ref[(i, 1)][0] for i in range(n)])
+    jpeg = boxes[:, 0] >= 0
+    assert 0 < int(jpeg.sum()) < n and torch.equal(idx, torch.arange(n)) and torch.equal(ys, split.y)
+    assert torch.equal(x[~jpeg], want[~jpeg])
+    diff = (x[jpeg].int() - want[jpeg].int()).abs().float()
+    assert diff.mean(dim=(1, 2, 3)).max() < 1.5, diff.mean(dim=(1, 2, 3))

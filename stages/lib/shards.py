@@ -36,6 +36,7 @@ KEPT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 # The random-resized crop's area and aspect ranges: torchvision's ImageNet ratio, a larger
 # minimum area than its 0.08 (small images, few classes).
 CROP_SCALE, CROP_RATIO = (0.35, 1.0), (3 / 4, 4 / 3)
+ORIENTATION = 0x0112  # the EXIF tag decode_pixels turns an image by
 
 
 def shard_name(i: int) -> str:
@@ -300,6 +301,42 @@ class ShardImages:
                          box=(left, top, left + w, top + h))
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).reshape(
             self.size, self.size, self.channels).transpose(2, 0, 1).copy())
+
+
+    def jpeg_crop(self, i: int, seed: int) -> tuple[Tensor, Tensor] | None:
+        """Sample i's JPEG bytes and `cropped`'s crop box, for the GPU's JPEG decoder; None where
+        that decoder would not give decode_pixels' image (not a plain RGB or grey JPEG, or turned
+        by its EXIF orientation), which `cropped` then decodes here."""
+        data = self.raw(i)
+        with open_image(data) as img:
+            if img.format != "JPEG" or img.mode not in ("RGB", "L") or \
+                    img.getexif().get(ORIENTATION, 1) != 1:
+                return None
+            width, height = img.size
+        box = crop_box(width, height, torch.Generator().manual_seed(seed))
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box)
+
+
+def decoded_on_gpu(payloads: list[Tensor], boxes: Tensor, size: int, channels: int,
+                   device: torch.device) -> Tensor:
+    """A streamed batch as uint8 (N, C, size, size) on the device: samples with a box (jpeg_crop)
+    decoded by nvJPEG, cropped and resized there; the others came decoded (box -1)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2.functional import resized_crop
+
+    out = torch.empty(len(payloads), channels, size, size, dtype=torch.uint8, device=device)
+    jpegs = [k for k in range(len(payloads)) if boxes[k, 0] >= 0]
+    for k in sorted(set(range(len(payloads))) - set(jpegs)):
+        out[k] = payloads[k].to(device, non_blocking=True)
+    if jpegs:
+        mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+        for k, img in zip(jpegs, decode_jpeg([payloads[k] for k in jpegs], mode=mode,
+                                              device=device), strict=True):
+            top, left, h, w = boxes[k].tolist()
+            out[k] = resized_crop(img, top, left, h, w, [size, size],
+                                  interpolation=InterpolationMode.BICUBIC, antialias=True)
+    return out
 
 
 def crop_box(width: int, height: int, g: torch.Generator) -> tuple[int, int, int, int]:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from stages.config import ModelConfig, TrainConfig
-from stages.data import Split
+from stages.data import Split, load_meta, load_split
 from stages.loop import Job, RunIO, no_log, train
 from stages.models import build_model
 
@@ -92,3 +92,15 @@ class InfGradOnce(nn.Module):
             self.fired = True
             out.register_hook(lambda g: g * math.inf)
         return out
+
+
+def stream_fit(prep, workers: int, epochs: int = 2, **cfg):
+    """A width-8 CNN trained on a prepared folder (shards: train.loader auto is stream)."""
+    meta = load_meta(prep)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(width=8), 3, len(meta["classes"]), meta["image_size"])
+    config = TrainConfig(**{**CPU_FP32, "loader": "auto", "num_workers": workers,
+                            "augment_crop_pad": 1, "augment_hflip": True, **cfg})
+    job = Job(train=load_split(prep, "train"), val=load_split(prep, "val"), mean=meta["mean"],
+              std=meta["std"], cfg=config, lr=3e-3, epochs=epochs, batch_size=16, seed=0)
+    return train(model, job, RunIO(progress=False))
