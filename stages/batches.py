@@ -6,7 +6,6 @@ of the tensors give the same batches."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.config import TrainConfig, batch_share
-from stages.data import Split
+from stages.data import Split, resolve_workers
 from stages.lib.errors import UserError
 from stages.lib.images import DataError
 from stages.lib.shards import ShardImages, decoded_on_gpu
@@ -115,13 +114,6 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
                    idx.to(device, non_blocking=True))
 
     return epoch_batches
-
-
-def resolve_workers(num_workers: int | str) -> int:
-    if num_workers != "auto":
-        return int(num_workers)
-    # One core stays with the training process; more than 8 workers rarely pays for small images.
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
 def seed_worker(worker_id: int) -> None:

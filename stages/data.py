@@ -5,8 +5,9 @@ augments it is `batches.py`."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,35 @@ def load_split(prepared: Path, name: str) -> Split:
         raise UserError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
                         f"restore it with `dvc checkout {prepared}` or rebuild it with "
                         "`dvc repro -f prepare`") from None
+
+
+def resolve_workers(num_workers: int | str) -> int:
+    if num_workers != "auto":
+        return int(num_workers)
+    # One core stays with the training process; more than 8 workers rarely pays for small images.
+    return max(0, min(8, (os.cpu_count() or 1) - 1))
+
+
+def in_batches(split: Split, batch_size: int, workers: int = 0) -> Iterator[Tensor]:
+    """The split's images in order, `batch_size` at a time. A sharded split's are decoded by
+    `workers` DataLoader processes, a batch each: validation and evaluate of a large split
+    would otherwise decode it on one core."""
+    batches = _Batches(split.x, batch_size)
+    if workers == 0 or isinstance(split.x, Tensor):
+        return (batches[k] for k in range(len(batches)))
+    return iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers))
+
+
+@dataclass
+class _Batches(torch.utils.data.Dataset):
+    x: Tensor | shards.ShardImages
+    size: int
+
+    def __len__(self) -> int:
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, k: int) -> Tensor:
+        return self.x[k * self.size:(k + 1) * self.size]
 
 
 def normalize(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from stages import tracking, weights
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
-from stages.data import load_meta, load_split
+from stages.data import load_meta, load_split, resolve_workers
 from stages.lib.cli import run_stage
 from stages.lib.files import atomic_write_all, json_text, text_writer
 from stages.report import (
@@ -30,7 +30,8 @@ def main() -> None:
     device = resolve_device(params.train.device)
     logits = predict(model.to(device), test, torch.tensor(trained.mean, device=device),
                      torch.tensor(trained.std, device=device), device=device,
-                     batch_size=params.eval.batch_size)
+                     batch_size=params.eval.batch_size,
+                     workers=resolve_workers(params.train.num_workers))
     pred = logits.argmax(1)
     metrics, per_class = classification_metrics(logits, test.y, classes)
 

@@ -37,7 +37,7 @@ from stages.batches import (
 )
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig
-from stages.data import Split, normalize
+from stages.data import Split, normalize, resolve_workers
 from stages.lib.errors import UserError
 from stages.metrics import EPOCH, epoch_line
 from stages.models import loss_fn
@@ -450,7 +450,8 @@ def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> dict[
     net = parts.ema.module if parts.ema is not None else parts.net
     logits = predict(net, split, setup.mean, setup.std, device=setup.device,
                      precision=setup.precision, batch_size=batch_size,
-                     channels_last=setup.cfg.channels_last)
+                     channels_last=setup.cfg.channels_last,
+                     workers=resolve_workers(setup.cfg.num_workers))
     loss, acc = loss_fn()(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
     if setup.job.world > 1:
         # Rank 0's figures for every process: they decide the best epoch, plateau cuts and early

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from stages.config import ParamsError
-from stages.data import Split, normalize
+from stages.data import Split, in_batches, normalize
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -138,13 +138,14 @@ def peak_mem_mb(device: torch.device) -> float:
 @torch.inference_mode()
 def predict(model: nn.Module, split: Split, mean: Tensor, std: Tensor, *, device: torch.device,
             precision: str = "fp32", batch_size: int = 512,
-            channels_last: bool = False) -> Tensor:
-    """Logits (float32, on the CPU) for a whole split, in order."""
+            channels_last: bool = False, workers: int = 0) -> Tensor:
+    """Logits (float32, on the CPU) for a whole split, in order; a sharded split decoded by
+    `workers` processes."""
     model.eval()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     out = []
-    for i in range(0, len(split.y), batch_size):
-        x = split.x[i:i + batch_size].to(device, non_blocking=True)
+    for x in in_batches(split, batch_size, workers):
+        x = x.to(device, non_blocking=True)
         x = normalize(x, mean, std).contiguous(memory_format=fmt)
         with autocast(device, precision):
             # A copy, not the output itself: a CUDA-graph replay (compile: reduce-overhead)

@@ -263,3 +263,18 @@ def test_the_gpu_decoders_batches_are_the_workers_crops(both):
     assert torch.equal(x[~jpeg], want[~jpeg])
     diff = (x[jpeg].int() - want[jpeg].int()).abs().float()
     assert diff.mean(dim=(1, 2, 3)).max() < 1.5, diff.mean(dim=(1, 2, 3))
+
+
+def test_validation_and_evaluate_decode_shards_in_workers_to_the_same_logits(both):
+    from stages.config import ModelConfig
+    from stages.models import build_model
+    from stages.runtime import predict
+
+    prep = both["shards"][0] / "data/prepared"
+    meta, split = load_meta(prep), load_split(prep, "test")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(width=8), 3, len(meta["classes"]), meta["image_size"])
+    mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
+    logits = [predict(model, split, mean, std, device=torch.device("cpu"), batch_size=4,
+                      workers=workers) for workers in (0, 2)]
+    assert len(logits[0]) == len(split.y) and torch.equal(logits[0], logits[1])
