@@ -278,3 +278,28 @@ def test_validation_and_evaluate_decode_shards_in_workers_to_the_same_logits(bot
     logits = [predict(model, split, mean, std, device=torch.device("cpu"), batch_size=4,
                       workers=workers) for workers in (0, 2)]
     assert len(logits[0]) == len(split.y) and torch.equal(logits[0], logits[1])
+
+
+def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tmp_path):
+    """Pillow's draft: a 256x192 JPEG cropped to 16 px decodes at 1/4 (64x48, sides >= 32), and
+    the crop drawn at the full size is cut from it: the pixels of the whole decode's crop."""
+    import numpy as np
+    from PIL import Image
+
+    from stages.lib import shards
+    from stages.lib.images import decode_pixels
+
+    yy, xx = np.mgrid[0:192, 0:256]
+    ramp = np.stack([xx, yy, (xx + yy) / 2], -1) * 0.6 + 20 * np.sin(xx / 40)[..., None]
+    Image.fromarray(ramp.astype(np.uint8)).save(tmp_path / "a.jpg", quality=95)
+    shards.write_split(tmp_path / "split", [(tmp_path / "a.jpg", 0)], 3, 16, "squash", 256,
+                       2**20, 1)
+    x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
+    assert x.pixels(0, x.draft).size == (64, 48)
+    whole = decode_pixels((tmp_path / "a.jpg").read_bytes(), 3)
+    for seed in range(5):
+        top, left, h, w = shards.crop_box(256, 192, torch.Generator().manual_seed(seed))
+        want = np.asarray(whole.resize((16, 16), Image.Resampling.BICUBIC,
+                                       box=(left, top, left + w, top + h))).transpose(2, 0, 1)
+        diff = (x.cropped(0, seed).int() - torch.from_numpy(want.copy()).int()).abs().float()
+        assert diff.mean() < 2, (seed, diff.mean())

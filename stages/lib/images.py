@@ -172,8 +172,10 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
     return fit(decode_pixels(source, channels), size, resize)
 
 
-def decode_pixels(source: str | Path | bytes, channels: int) -> Image.Image:
-    """The whole image, decoded and checked, in "L" or "RGB" at its own size."""
+def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0) -> Image.Image:
+    """The whole image, decoded and checked, in "L" or "RGB" at its own size; with `draft`, a
+    JPEG at the smallest of 1/2, 1/4 or 1/8 of it whose sides stay at least `draft` (libjpeg
+    scales the inverse DCT: a quarter of the work for a crop to a small size)."""
     if not isinstance(source, bytes):
         check_size(source)
     empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
@@ -184,6 +186,8 @@ def decode_pixels(source: str | Path | bytes, channels: int) -> Image.Image:
             raise DataError(f"{opened.width}x{opened.height} pixels: a side over {MAX_SIDE:,} "
                             "(MAX_SIDE in stages/lib/images.py); crop or resize it first")
         try:
+            if draft:
+                opened.draft(opened.mode, (draft, draft))
             opened.load()  # decode it all now: a truncated file fails here, never padded silently
             return to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")
         except Exception:  # noqa: BLE001 - a decoder fails with any type on a crafted file

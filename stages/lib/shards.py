@@ -271,10 +271,9 @@ class ShardImages:
                             "`dvc checkout data/prepared` or `dvc repro -f prepare`")
         return data
 
-    def pixels(self, i: int) -> Image.Image:
-        data = self.raw(i)
+    def pixels(self, i: int, draft: int = 0, data: bytes | None = None) -> Image.Image:
         try:
-            return decode_pixels(data, self.channels)
+            return decode_pixels(self.raw(i) if data is None else data, self.channels, draft)
         except DataError as e:
             raise DataError(f"{self.folder / shard_name(int(self.index[i]['shard']))}: sample {i} "
                             f"does not decode ({e}); rebuild it with `dvc repro -f prepare`") from None
@@ -294,14 +293,24 @@ class ShardImages:
     def cropped(self, i: int, seed: int) -> Tensor:
         """Sample i at image_size through a random-resized crop of its stored resolution, the
         crop drawn from `seed` alone (the loader keys it by seed, epoch and index)."""
-        img = self.pixels(i)
-        top, left, h, w = crop_box(img.width, img.height, torch.Generator().manual_seed(seed))
+        data = self.raw(i)
+        width, height = full_size(data)
+        img = self.pixels(i, self.draft, data)
+        top, left, h, w = crop_box(width, height, torch.Generator().manual_seed(seed))
+        # The box drawn at the full size (jpeg_crop's too), cut from the image as decoded.
+        sx, sy = img.width / width, img.height / height
         # What torchvision's resized_crop does to a PIL image, and val's resize (fit) too.
         img = img.resize((self.size, self.size), Image.Resampling.BICUBIC,
-                         box=(left, top, left + w, top + h))
+                         box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).reshape(
             self.size, self.size, self.channels).transpose(2, 0, 1).copy())
 
+    @property
+    def draft(self) -> int:
+        """The side a JPEG is decoded down to for a crop: a crop keeps at least 35% of the area
+        at 3:4 to 4:3, so its shorter side is about half the image's or more, and is still
+        downsized to image_size."""
+        return 2 * self.size
 
     def jpeg_crop(self, i: int, seed: int) -> tuple[Tensor, Tensor] | None:
         """Sample i's JPEG bytes and `cropped`'s crop box, for the GPU's JPEG decoder; None where
@@ -337,6 +346,14 @@ def decoded_on_gpu(payloads: list[Tensor], boxes: Tensor, size: int, channels: i
             out[k] = resized_crop(img, top, left, h, w, [size, size],
                                   interpolation=InterpolationMode.BICUBIC, antialias=True)
     return out
+
+
+def full_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of the image decode_pixels makes of `data` without a draft, from its
+    header: turned by its EXIF orientation."""
+    with open_image(data) as img:
+        turned = img.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
+        return (img.height, img.width) if turned else img.size
 
 
 def crop_box(width: int, height: int, g: torch.Generator) -> tuple[int, int, int, int]:
