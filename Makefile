@@ -9,7 +9,7 @@ USER_PATH := $(PATH)
 # DVC runs each stage's `python -m stages.x` through a shell: it must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: help setup lock repro verify share sync sweep test ui s3 server serve exps lint bench bench-pipeline bench-serve gpu-check ci-report plots-template clean
+.PHONY: help setup lock repro verify share sync sweep test ui s3 server serve exps lint bench bench-pipeline bench-serve bench-data gpu-check ci-report plots-template clean
 .DEFAULT_GOAL := help
 
 help: ## list the targets
@@ -168,6 +168,9 @@ bench-sync: setup ## `make sync` with no spool, of one run and again, against th
 
 bench-storage: setup ## DVC on a folder remote vs S3 on loopback: the pipeline's outputs and a 1 GiB dataset
 	$(PY) -m stages.bench.storage
+
+bench-data: setup ## shards at 10k to 1M JPEGs: generate, prepare, push/pull, stream vs ImageFolder vs tensors; SIZES=10000,100000
+	$(PY) -m stages.bench.data $(if $(SIZES),--sizes $(SIZES))
 
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the bench's GPU table,
 # in one run for a lent GPU machine. Its python may come with the requirements already:

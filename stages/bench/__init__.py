@@ -1,6 +1,7 @@
 """Measurements, each side by side in one run: the loop (`make bench`), the pipeline
 (`make bench-pipeline`), serving (`make bench-serve`), sweeps, several nodes, the import graph,
-and DVC's storage (a folder remote against S3)."""
+DVC's storage (a folder remote against S3) and datasets at scale (`make bench-data`: shards
+against ImageFolder and tensors)."""
 
 from __future__ import annotations
 
