@@ -55,6 +55,8 @@ STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "exp
 # flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter with its
 # op library, the stratified split's scikit-learn. Not matplotlib (0.3 s): its import reads
 # ./matplotlibrc and the user's, which must be the caller's folder and HOME, not this one's.
+# `torch._dynamo` is private: no public module imports it (`torch.compiler` does not), and
+# AdamW's first step does; pinned with the others by tests/test_private_names.py.
 PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
            "onnxscript", "onnxscript.function_libs.torch_lib.ops", "mlflow", "mlflow.pyfunc",
            "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection",
