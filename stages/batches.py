@@ -215,28 +215,33 @@ class StreamedDataset(torch.utils.data.Dataset):
     def crop_seed(self, i: int, epoch: int) -> int:
         return int(_hash(self.seed, epoch, torch.tensor([i]), 4)[0]) % 2**63
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple:
+        """(*sample, label, index); a sample that fails to decode comes blank, its index negative:
+        the training process reports it (loader_batches)."""
         i, epoch = key
         try:
-            return self.x.cropped(i, self.crop_seed(i, epoch)), self.y[i], i
-        except DataError:  # a negative index: the training process reports it (loader_batches)
-            return torch.zeros(self.x.shape[1:], dtype=torch.uint8), self.y[i], -1 - i
+            return *self.sample(i, self.crop_seed(i, epoch)), self.y[i], i
+        except DataError:
+            return *self.blank(), self.y[i], -1 - i
+
+    def sample(self, i: int, seed: int) -> tuple[Tensor, ...]:
+        return (self.x.cropped(i, seed),)
+
+    def blank(self) -> tuple[Tensor, ...]:
+        return (torch.zeros(self.x.shape[1:], dtype=torch.uint8),)
 
 
 class EncodedStream(StreamedDataset):
     """StreamedDataset for the GPU's decoder: a JPEG sample as its bytes and crop box
     (ShardImages.jpeg_crop), any other decoded and cropped here (its box -1)."""
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, int]:
-        i, epoch = key
-        seed = self.crop_seed(i, epoch)
-        try:
-            if (got := self.x.jpeg_crop(i, seed)) is not None:
-                return got[0], got[1], self.y[i], i
-            return self.x.cropped(i, seed), torch.full((4,), -1), self.y[i], i
-        except DataError:
-            return torch.zeros(self.x.shape[1:], dtype=torch.uint8), torch.full((4,), -1), \
-                self.y[i], -1 - i
+    def sample(self, i: int, seed: int) -> tuple[Tensor, Tensor]:
+        if (got := self.x.jpeg_crop(i, seed)) is not None:
+            return got
+        return self.x.cropped(i, seed), torch.full((4,), -1)
+
+    def blank(self) -> tuple[Tensor, Tensor]:
+        return (*super().blank(), torch.full((4,), -1))
 
     @staticmethod
     def collate(samples: list) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
