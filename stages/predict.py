@@ -36,7 +36,7 @@ MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")
 def collect(paths: list[str]) -> list[Path]:
     out = []
     for p in map(Path, paths):
-        out += image_files(p) if p.is_dir() else [p]
+        out += map(Path, image_files(p)) if p.is_dir() else [p]
     return out
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -24,13 +23,13 @@ from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
 from stages.sources import (
     SOURCES,
-    assign_splits,
     build_meta,
     check_rejected,
     from_folder,
     leaks_in,
     list_folder,
     meta_of,
+    split_folder,
 )
 
 
@@ -51,16 +50,18 @@ def main() -> None:
         print(f"{root}: {len(classes)} classes, {sum(map(len, files.values()))} image files; "
               "names and layout are fine")
         return
+    check_partial(partial_of(PREPARED))
     # A folder listed once: at a million files the listing takes a while.
-    listing = list_folder(Path(cfg.root)) if cfg.source == "folder" else None
-    fmt = resolve_format(cfg, listing)
-    if listing is not None:
-        check_room(cfg, fmt, listing[1], PREPARED)
+    folder = split_folder(cfg, params.seed) if cfg.source == "folder" else None
+    count = sum(map(len, folder[1].values())) if folder else None
+    fmt = resolve_format(cfg, count)
+    if fmt == "tensors" and count is not None:
+        check_memory(cfg, count)
     if fmt == "shards":
-        meta, rejected, leaks = write_shards(cfg, params.seed, PREPARED, *listing)
+        meta, rejected, leaks = write_shards(cfg, PREPARED, *folder)
     else:
         try:
-            loaded = from_folder(cfg, params.seed, PREPARED, listing) if listing is not None \
+            loaded = from_folder(cfg, params.seed, PREPARED, folder) if folder is not None \
                 else SOURCES[cfg.source](cfg, params.seed, PREPARED)
             meta = build_meta(loaded.splits, loaded.classes, cfg)
             rejected, leaks = loaded.rejected, loaded.leaks
@@ -90,14 +91,13 @@ def reports(rejected: list[tuple[str, str]], leaks: dict[str, list[tuple[str, st
                                     [(d, s, p) for d, v in leaks.items() for s, p in v])}
 
 
-def resolve_format(cfg: DataConfig, listing: tuple[list[str], dict] | None) -> str:
+def resolve_format(cfg: DataConfig, images: int | None) -> str:
     """data.format: auto writes shards where the decoded splits would take more than half the
     memory available now, and says which it picked and why (for a folder; the other sources are
     datasets of a few hundred MB, always tensors)."""
-    if cfg.format != "auto" or listing is None:
+    if cfg.format != "auto" or images is None:
         return "tensors" if cfg.format == "auto" else cfg.format
-    _, files = listing
-    decoded = sum(map(len, files.values())) * cfg.channels * cfg.image_size ** 2
+    decoded = images * cfg.channels * cfg.image_size ** 2
     available = memory_available()
     picked = "shards" if decoded > available / 2 else "tensors"
     print(f"data.format: auto -> {picked}: decoded, the splits take {decoded / 2**20:,.0f} MiB, "
@@ -116,28 +116,28 @@ def memory_available() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_room(cfg: DataConfig, fmt: str, files: dict, out: Path) -> None:
-    """A folder too large for this machine, refused before any image is read: decoded splits
-    larger than memory (every epoch would read them from disk at random), or shards larger than
-    the disk's free space (a killed run's shards count as written). Tensors reserve their
-    scratch file's blocks before they decode into it (sources.decode_split)."""
-    paths = [p for split in files.values() for p, _ in split]
-    decoded = len(paths) * cfg.channels * cfg.image_size ** 2
-    if fmt == "tensors" and decoded > (available := memory_available()):
+def check_memory(cfg: DataConfig, images: int) -> None:
+    """Decoded splits larger than memory, refused before any image is read: every epoch would
+    read them from disk at random. Their scratch file's blocks are reserved before they are
+    decoded into it (sources.decode_split), so a full disk stops them at once too."""
+    decoded = images * cfg.channels * cfg.image_size ** 2
+    if decoded > (available := memory_available()):
         raise UserError(f"{cfg.root}: decoded at data.image_size {cfg.image_size}, the "
-                        f"{len(paths):,} images take {decoded / 2**30:,.1f} GiB, more than the "
+                        f"{images:,} images take {decoded / 2**30:,.1f} GiB, more than the "
                         f"{available / 2**30:,.1f} GiB of memory available; set data.format: "
                         "shards (or auto) in params.yaml to keep them encoded and stream them")
-    if fmt != "shards":
-        return
-    need = sum(os.stat(p).st_size for p in paths)  # the files as they are, or downsized
+
+
+def check_disk(cfg: DataConfig, images: int, need: int, out: Path) -> None:
+    """Shards larger than the disk's free space, refused before any image is read; a killed
+    run's shards count as written. `need`: the files' bytes, as they are or downsized."""
     partial = partial_of(out)
     written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) \
         if partial.is_dir() else 0
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if need - written > free:
-        raise UserError(f"{out}: shards of the {len(paths):,} images in {cfg.root} need about "
+        raise UserError(f"{out}: shards of the {images:,} images in {cfg.root} need about "
                         f"{(need - written) / 2**20:,.1f} MiB more, and its file system has "
                         f"{free / 2**20:,.1f} MiB free; free space there, or lower "
                         "data.store_size in params.yaml")
@@ -149,32 +149,44 @@ def partial_of(out: Path) -> Path:
     return out.with_name(f".{out.name}.partial")
 
 
-def partial_key(items: dict[str, list[tuple[Path, int]]], cfg: DataConfig) -> str:
-    """What a killed run's shards are good for: the same files (name, size, time) in the same
-    splits, the params that shape a shard, and the code that writes one."""
+def check_partial(partial: Path) -> None:
+    """prepare deletes its partial folder when it is done with it, or when it holds another
+    run's shards: only one it made, which holds the `key` it writes there."""
+    if partial.exists() and not (partial / "key").is_file():
+        raise UserError(f"{partial}: prepare keeps a killed run's shards under this name, and "
+                        "this is not one of its folders (it has no `key` file); move it away, "
+                        "then rerun")
+
+
+def fingerprint(items: dict[str, images.Files], cfg: DataConfig) -> tuple[str, int]:
+    """One stat of every file gives what a killed run's shards are good for, the key (the same
+    files, by name, size and time, in the same splits; the params that shape a shard; the code
+    that writes one), and the files' bytes, what the shards need at most."""
     h = hashlib.sha256(json.dumps([cfg.channels, cfg.image_size, cfg.resize, cfg.store_size,
                                    cfg.shard_mb]).encode())
     for module in (shards, images):
         h.update(Path(module.__file__).read_bytes())
+    size = 0
     for name in SPLITS:
         for path, label in items[name]:
             st = os.stat(path)
+            size += st.st_size
             h.update(f"{name}\0{path}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+    return h.hexdigest(), size
 
 
-def write_shards(cfg: DataConfig, seed: int, out: Path, classes: list[str],
-                 files: dict) -> tuple[dict, list, dict]:
-    """The folder's splits as shards (stages/lib/shards.py), with meta.json and the reports.
-    Written in partial_of(out) first, and resumed there after a kill."""
-    items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
+def write_shards(cfg: DataConfig, out: Path, classes: list[str],
+                 items: dict[str, images.Files]) -> tuple[dict, list, dict]:
+    """The folder's splits (split_folder's) as shards (stages/lib/shards.py), with meta.json and
+    the reports. Written in partial_of(out) first, and resumed there after a kill."""
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
-    partial, key = partial_of(out), partial_key(items, cfg)
+    (key, need), partial = fingerprint(items, cfg), partial_of(out)
+    check_disk(cfg, sum(map(len, items.values())), need, out)
     if not (partial / "key").is_file() or (partial / "key").read_text() != key:
         shutil.rmtree(partial, ignore_errors=True)  # another run's: other files or params
         partial.mkdir(parents=True)
         (partial / "key").write_text(key)
-    written, rejected, seen = {}, [], defaultdict(list)
+    written, rejected = {}, []
     for name in SPLITS:
         written[name] = shards.write_split(partial / name, items[name], cfg.channels,
                                            cfg.image_size, cfg.resize, cfg.store_size,
@@ -183,10 +195,8 @@ def write_shards(cfg: DataConfig, seed: int, out: Path, classes: list[str],
             print(f"prepare: {name}: resumed after the {written[name].resumed} whole shards a "
                   f"killed run left in {partial / name}", flush=True)
         rejected += written[name].rejected
-        for path, digest in written[name].accepted:
-            seen[digest].append((name, path))
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
-    leaks = leaks_in(seen)
+    leaks = leaks_in({name: (items[name].paths[w.accepted], w.digests) for name, w in written.items()})
     total, squares = torch.from_numpy(written["train"].sums)
     meta = meta_of(total, squares, len(written["train"].index) * cfg.image_size ** 2,
                    {name: torch.from_numpy(w.index["label"]) for name, w in written.items()},

@@ -32,7 +32,6 @@ import gzip
 import hashlib
 import importlib.util
 import os
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,7 +45,15 @@ from torch import Tensor
 from stages.config import DataConfig
 from stages.data import SPLITS, Split
 from stages.lib.files import write_error
-from stages.lib.images import IMAGE_EXTS, DataError, check_tree, decode_many, image_files
+from stages.lib.images import (
+    DIGEST,
+    IMAGE_EXTS,
+    DataError,
+    Files,
+    check_tree,
+    decode_many,
+    image_files,
+)
 from stages.lib.paths import repo_root
 
 
@@ -69,22 +76,19 @@ def from_torchvision(source: str, cfg: DataConfig, seed: int, scratch: Path) -> 
 
 
 def from_folder(cfg: DataConfig, seed: int, scratch: Path,
-                listing: tuple[list[str], dict] | None = None) -> Loaded:
-    """Class sub-folders of images under `data.root` (`listing`: list_folder's, when done),
+                folder: tuple[list[str], dict[str, Files]] | None = None) -> Loaded:
+    """Class sub-folders of images under `data.root` (`folder`: split_folder's, when done),
     optionally already split into train/val/test; decoded into memory-mapped files in `scratch`."""
-    classes, files = listing or list_folder(Path(cfg.root))
-    items = assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
+    classes, items = folder or split_folder(cfg, seed)
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     scratch.mkdir(parents=True, exist_ok=True)
-    splits, rejected, seen = {}, [], defaultdict(list)
+    splits, rejected, accepted = {}, [], {}
     for name in SPLITS:
-        splits[name], bad, accepted = decode_split(items[name], cfg, workers,
-                                                   scratch / f".{name}.npy")
+        splits[name], bad, accepted[name] = decode_split(items[name], cfg, workers,
+                                                         scratch / f".{name}.npy")
         rejected += bad
-        for path, digest in accepted:
-            seen[digest].append((name, path))
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
-    return Loaded(splits, classes, rejected, leaks_in(seen))
+    return Loaded(splits, classes, rejected, leaks_in(accepted))
 
 
 def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig) -> None:
@@ -95,9 +99,28 @@ def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig)
                         f"{cfg.max_rejected_fraction}); first: {listing}")
 
 
-def leaks_in(seen: dict[str, list[tuple[str, str]]]) -> dict[str, list[tuple[str, str]]]:
-    """Identical files (by sha256) in more than one split."""
-    return {d: v for d, v in seen.items() if len({s for s, _ in v}) > 1}
+Accepted = tuple[np.ndarray, np.ndarray]  # a split's files decoded: Files.paths and digests (DIGEST)
+
+
+def leaks_in(accepted: dict[str, Accepted]) -> dict[str, list[tuple[str, str]]]:
+    """Identical files (by sha256) in more than one split: {hex digest: [(split, path), ...]},
+    in the order the splits list them. Files are matched by their digests' first 8 bytes, sorted
+    as integers, then by the whole digest: cheaper than sorting a million 32-byte strings."""
+    names = list(accepted)
+    digests = np.concatenate([d for _, d in accepted.values()])
+    if len(digests) < 2:
+        return {}
+    split = np.repeat(np.arange(len(names)), [len(d) for _, d in accepted.values()])
+    prefix = digests.view(np.uint64).reshape(len(digests), -1)[:, 0]
+    order = np.argsort(prefix, kind="stable")
+    same = prefix[order[1:]] == prefix[order[:-1]]
+    twins = np.unique(order[np.concatenate([same, [False]]) | np.concatenate([[False], same])])
+    groups: dict[bytes, list[int]] = {}
+    for i in twins.tolist():  # in the order the splits list them
+        groups.setdefault(digests[i].tobytes(), []).append(i)
+    paths = np.concatenate([p for p, _ in accepted.values()])
+    return {d.hex(): [(names[split[i]], os.fsdecode(paths[i])) for i in group]
+            for d, group in groups.items() if len({split[i] for i in group}) > 1}
 
 
 SOURCES: dict[str, Callable[[DataConfig, int, Path], Loaded]] = {
@@ -172,7 +195,7 @@ def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[st
     return out, [str(c) for c in parts["train"].classes]
 
 
-def list_folder(root: Path) -> tuple[list[str], dict[str | None, list[tuple[Path, int]]]]:
+def list_folder(root: Path) -> tuple[list[str], dict[str | None, Files]]:
     """Class names (sorted sub-folder names) and (file, label) per given split: `None` when
     `root` holds class folders directly, "train"/"val"/"test" when it has those sub-folders.
     The folders in `root` are either all split names or all class names: a class named `test`
@@ -201,29 +224,35 @@ def list_folder(root: Path) -> tuple[list[str], dict[str | None, list[tuple[Path
                         f"({', '.join(sorted(IMAGE_EXTS))}){named}")
     if len(classes) == 1:
         raise DataError(f"{top}: only one class folder ({classes[0]!r}); a classifier needs two or more")
-    files: dict[str | None, list[tuple[Path, int]]] = {}
+    files: dict[str | None, Files] = {}
     for split, folder in (given or {None: root}).items():
         unknown = {d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")}
         unknown -= set(classes)
         if unknown:
             raise DataError(f"{folder}: class folders {sorted(unknown)} are not in {top}")
-        files[split] = []
+        per_class = []
         for label, c in enumerate(classes):
             found = image_files(folder / c) if (folder / c).is_dir() else []
             if not found and split in (None, "train"):
                 raise DataError(f"{folder / c}: class folder has no images "
                                 f"({', '.join(sorted(IMAGE_EXTS))}); add images or remove it")
-            files[split] += [(p, label) for p in found]
+            per_class.append(Files.of(found, label))
+        files[split] = Files.joined(per_class)
     return classes, files
 
 
-def assign_splits(classes: list[str], files: dict[str | None, list[tuple[Path, int]]],
-                  val_fraction: float, test_fraction: float,
-                  seed: int) -> dict[str, list[tuple[Path, int]]]:
+def split_folder(cfg: DataConfig, seed: int) -> tuple[list[str], dict[str, Files]]:
+    """data.root's classes and its files in train, val and test (list_folder, assign_splits)."""
+    classes, files = list_folder(Path(cfg.root))
+    return classes, assign_splits(classes, files, cfg.val_fraction, cfg.test_fraction, seed)
+
+
+def assign_splits(classes: list[str], files: dict[str | None, Files], val_fraction: float,
+                  test_fraction: float, seed: int) -> dict[str, Files]:
     """Given splits are kept; a missing val or test split is carved, stratified, out of train."""
-    pool = files.get(None) or files["train"]
+    pool = files[None] if None in files else files["train"]
     need_val, need_test = "val" not in files, "test" not in files
-    labels = torch.tensor([label for _, label in pool])
+    labels = torch.from_numpy(pool.labels)
     try:
         parts = stratified_split(labels, val_fraction if need_val else 0.0,
                                  test_fraction if need_test else 0.0, seed)
@@ -231,17 +260,17 @@ def assign_splits(classes: list[str], files: dict[str | None, list[tuple[Path, i
         counts = {c: int((labels == i).sum()) for i, c in enumerate(classes)}
         raise DataError(f"cannot split {counts} images per class into train/val/test ({e}); "
                         "add images to the small classes or give train/val/test folders") from None
-    out = {name: [pool[i] for i in parts[name].tolist()] for name in SPLITS}
+    out = {name: pool[parts[name].numpy()] for name in SPLITS}
     for name in ("val", "test"):
         if name in files:
             out[name] = files[name]
     return out
 
 
-def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
-                 scratch: Path) -> tuple[Split, list[tuple[str, str]], list[tuple[str, str]]]:
+def decode_split(items: Files, cfg: DataConfig, workers: int,
+                 scratch: Path) -> tuple[Split, list[tuple[str, str]], Accepted]:
     """Decode into a memory-mapped uint8 file, so memory stays bounded for any dataset size.
-    Returns the split, the rejected (path, reason) and the accepted (path, sha256)."""
+    Returns the split, the rejected (path, reason) and the accepted files."""
     from tqdm import tqdm
 
     shape = (len(items), cfg.channels, cfg.image_size, cfg.image_size)
@@ -254,20 +283,21 @@ def decode_split(items: list[tuple[Path, int]], cfg: DataConfig, workers: int,
     except OSError as e:
         scratch.unlink(missing_ok=True)
         raise (write_error(e, scratch, scratch=True) or e) from e
-    labels, rejected, digests = [], [], []
-    decoded = decode_many([p for p, _ in items], cfg.channels, cfg.image_size, cfg.resize, workers)
-    for (path, label), (img, reason, digest) in tqdm(zip(items, decoded, strict=True),
-                                                     total=len(items), desc=f"decode {scratch.stem}",
-                                                     mininterval=2, disable=len(items) < 1000):
+    labels, rejected, kept, digests = [], [], [], []
+    decoded = decode_many((p for p, _ in items), cfg.channels, cfg.image_size, cfg.resize, workers)
+    for i, ((path, label), (img, reason, digest)) in enumerate(tqdm(
+            zip(items, decoded, strict=True), total=len(items), desc=f"decode {scratch.stem}",
+            mininterval=2, disable=len(items) < 1000)):
         if img is None:
-            rejected.append((str(path), reason))
+            rejected.append((path, reason))
             continue
         x[len(labels)] = img
         labels.append(label)
-        digests.append((str(path), digest))
+        kept.append(i)
+        digests.append(digest)
     x.flush()
     return Split(torch.from_numpy(x[:len(labels)]), torch.tensor(labels, dtype=torch.int64)), \
-        rejected, digests
+        rejected, (items.paths[kept], np.array(digests, dtype=DIGEST).reshape(-1))
 
 
 def resize(x: Tensor, size: int, channels: int) -> Tensor:

@@ -105,16 +105,40 @@ def test_an_image_with_a_side_too_long_is_listed_not_a_memory_error(tmp_path):
                              "stages/lib/images.py); crop or resize it first")
 
 
-def test_given_splits_are_used_and_leakage_is_reported(tmp_path):
+@pytest.mark.parametrize("fmt", ["tensors", "shards"])
+def test_given_splits_are_used_and_leakage_is_reported(tmp_path, fmt):
     data = tmp_path / "shapes"
     make_folder(data, per_class=0, splits={"train": 12, "val": 3, "test": 4}, bad=False)
     shutil.copy(data / "train/circle/circle_000.png", data / "test/circle/leak.png")
-    p = prepare(tmp_path, **folder_params(data))
+    p = prepare(tmp_path, **folder_params(data, **{"data.format": fmt}))
     meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
     assert meta["sizes"] == {"train": 36, "val": 9, "test": 13}
     assert meta["duplicates_across_splits"] == 1 and "leakage" in p.stderr
     leak = list(csv.DictReader(open(tmp_path / "data/prepared/leakage.csv")))
-    assert {r["split"] for r in leak} == {"train", "test"}
+    assert [(r["split"], os.path.basename(r["path"])) for r in leak] == \
+        [("train", "circle_000.png"), ("test", "leak.png")]
+
+
+def test_leaks_are_whole_digests_shared_across_splits_in_the_splits_order():
+    """leaks_in matches files by their digests' first 8 bytes, then by the whole digest."""
+    from stages.lib.images import DIGEST
+    from stages.sources import leaks_in
+
+    def digest(head: int, tail: int) -> bytes:
+        return bytes([head] * 8 + [tail] * 24)
+
+    def split(*named):
+        return (np.array([os.fsencode(p) for p, _ in named], dtype=np.bytes_),
+                np.array([digest(*d) for _, d in named], dtype=DIGEST))
+
+    got = leaks_in({
+        "train": split(("a", (1, 1)), ("b", (2, 2)), ("b2", (2, 2)), ("c", (3, 3)), ("e", (5, 5))),
+        "val": split(("c-val", (3, 3)), ("twin", (1, 9))),  # the same 8 bytes as a, another file
+        "test": split(("e-test", (5, 5)), ("c-test", (3, 3)), ("lone", (7, 7))),
+    })
+    assert got == {digest(3, 3).hex(): [("train", "c"), ("val", "c-val"), ("test", "c-test")],
+                   digest(5, 5).hex(): [("train", "e"), ("test", "e-test")]}
+    assert leaks_in({"train": split(("a", (1, 1))), "val": split(), "test": split()}) == {}
 
 
 def test_too_many_bad_files_fail_naming_the_threshold(tmp_path):

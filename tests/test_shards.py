@@ -181,6 +181,23 @@ def test_prepare_killed_mid_split_resumes_after_its_whole_shards_to_the_same_byt
     assert len(list(prep.glob("train/shard-*.tar"))) > len(whole)
 
 
+def test_prepare_deletes_only_a_partial_folder_it_wrote(tmp_path):
+    """data/.prepared.partial holds a killed run's shards, and prepare deletes it when done or
+    when it holds another run's: never a folder of that name without prepare's `key` in it."""
+    w = folder_workspace(tmp_path / "w")
+    make_folder(w / "raw", 4, bad=False)
+    (w / "data/.prepared.partial").mkdir(parents=True)
+    (w / "data/.prepared.partial/notes.txt").write_text("mine")
+    set_params(w / "params.yaml", {"data.format": "shards", "data.channels": "3"})
+    p = run([sys.executable, "-m", "stages.prepare"], w, check=False,
+            env=env_with(PYTHONPATH=str(ROOT)))
+    assert p.returncode == 1 and "data/.prepared.partial: prepare keeps a killed run's shards " \
+        "under this name, and this is not one of its folders (it has no `key` file); move it " \
+        "away, then rerun" in one_error_line(p.stderr), p.stderr
+    assert (w / "data/.prepared.partial/notes.txt").read_text() == "mine"
+    assert not (w / "data/prepared").exists()
+
+
 def test_a_folder_whose_decoded_splits_exceed_memory_is_refused_before_decoding(tmp_path):
     import io
 
@@ -244,6 +261,38 @@ def test_two_ranks_stream_disjoint_halves_of_every_epoch(both):
     assert seen[0, 0] != seen[0, 1]
 
 
+def _stream_rank(rank: int, world: int, init: str, prep, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model = stream_fit(prep, 1, model=linear(prep), rank=rank, world=world).model
+        if rank == 0:
+            torch.save(model.state_dict(), out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def linear(prep) -> torch.nn.Module:
+    meta = load_meta(prep)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(),
+                               torch.nn.Linear(3 * meta["image_size"] ** 2, len(meta["classes"])))
+
+
+def test_two_ddp_ranks_stream_the_halves_of_one_process_s_batches(both, tmp_path):
+    """Two gloo ranks, as torchrun starts them, each streaming with a DataLoader worker of its
+    own, take the steps of one process with their global batch of 16: each rank read its own
+    half of every batch, crops and all (a linear model: no BatchNorm statistics per rank)."""
+    prep = both["shards"][0] / "data/prepared"
+    out = tmp_path / "ddp.pt"
+    torch.multiprocessing.spawn(_stream_rank, args=(2, f"file://{tmp_path / 'pg'}", prep, str(out)),
+                                nprocs=2)
+    one = stream_fit(prep, 1, model=linear(prep)).model.state_dict()
+    ddp = torch.load(out, weights_only=True)
+    assert max((ddp[k] - one[k]).abs().max().item() for k in one) < 1e-5
+    assert max((one[k] - linear(prep).state_dict()[k]).abs().max().item() for k in one) > 1e-3
+
+
 def test_the_gpu_decoders_batches_are_the_workers_crops(both):
     """What the CUDA path does (EncodedStream, then decoded_on_gpu), run here on the CPU, where
     torchvision decodes JPEG with libjpeg-turbo as Pillow does: the same crop boxes, the other
@@ -287,13 +336,13 @@ def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tm
     from PIL import Image
 
     from stages.lib import shards
-    from stages.lib.images import decode_pixels
+    from stages.lib.images import Files, decode_pixels
 
     yy, xx = np.mgrid[0:192, 0:256]
     ramp = np.stack([xx, yy, (xx + yy) / 2], -1) * 0.6 + 20 * np.sin(xx / 40)[..., None]
     Image.fromarray(ramp.astype(np.uint8)).save(tmp_path / "a.jpg", quality=95)
-    shards.write_split(tmp_path / "split", [(tmp_path / "a.jpg", 0)], 3, 16, "squash", 256,
-                       2**20, 1)
+    shards.write_split(tmp_path / "split", Files.of([str(tmp_path / "a.jpg")], 0), 3, 16,
+                       "squash", 256, 2**20, 1)
     x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
     assert x.pixels(0, x.draft).size == (64, 48)
     whole = decode_pixels((tmp_path / "a.jpg").read_bytes(), 3)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import os
 import signal
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,6 +21,9 @@ from PIL import Image, ImageOps
 from stages.lib.errors import UserError
 
 T, R = TypeVar("T"), TypeVar("R")
+# Files' SHA-256 digests side by side in one array: prepare compares a million of them for
+# leakage, which as hex strings in tuples would take 110 MB more.
+DIGEST = np.dtype("V32")
 
 # The image files read, by extension, and the one Pillow decoder each may use. Only these decode,
 # whatever a file's name or first bytes claim: Pillow's EPS decoder runs Ghostscript on the file
@@ -92,10 +99,53 @@ def check_tree(root: Path) -> None:
                         "`dvc import` it), or point data.root at the real folder")
 
 
-def image_files(folder: Path) -> list[Path]:
-    """Image files below `folder`, sorted, skipping hidden files and folders."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS
-                  and not is_hidden(p, folder))
+def image_files(folder: str | Path) -> list[str]:
+    """Image files below `folder`, in the order of their sorted Paths (a folder's entries by name,
+    each sub-folder's files at its name), skipping hidden files and folders and not entering linked
+    folders (check_tree refuses those). Strings: at a million files a Path costs several times its
+    string, and prepare holds them all."""
+    with os.scandir(folder) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    found = []
+    for e in entries:
+        if e.name.startswith("."):
+            continue
+        if e.is_dir(follow_symlinks=False):
+            found += image_files(e.path)
+        elif e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_EXTS:
+            found.append(e.path)
+    return found
+
+
+@dataclass(frozen=True)
+class Files:
+    """Image files and their labels, side by side in two arrays. A million paths as strings in
+    tuples would take 250 MB, and the pages of each tuple a process touches after it forked its
+    workers are copied, refcounts being writes; in arrays they take a tenth of that, read only.
+    Iterates as (path, label) pairs; an array of positions or a slice picks a subset."""
+    paths: np.ndarray  # file system paths, encoded (os.fsencode)
+    labels: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, paths: list[str], label: int) -> Files:
+        return cls(np.array([os.fsencode(p) for p in paths], dtype=np.bytes_).reshape(-1),
+                   np.full(len(paths), label, dtype=np.int64))
+
+    @classmethod
+    def joined(cls, parts: list[Files]) -> Files:
+        return cls(np.concatenate([f.paths for f in parts]), np.concatenate([f.labels for f in parts]))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return zip(map(os.fsdecode, self.paths), map(int, self.labels), strict=True)
+
+    def __getitem__(self, picked: np.ndarray | slice) -> Files:
+        return Files(self.paths[picked], self.labels[picked])
+
+    def path(self, i: int) -> str:
+        return os.fsdecode(self.paths[i])
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
@@ -205,29 +255,43 @@ def fit(img: Image.Image, size: int, resize: str) -> np.ndarray:
     return np.asarray(img, dtype=np.uint8).reshape(size, size, channels).transpose(2, 0, 1)
 
 
-def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str, str]:
+def _decode_one(args: tuple[str, int, int, str]) -> tuple[np.ndarray | None, str, bytes]:
     path, channels, size, resize = args
     try:
         check_size(path)
         data = Path(path).read_bytes()  # read once: hashed for leakage, then decoded
-        return decode_image(data, channels, size, resize), "", hashlib.sha256(data).hexdigest()
+        return decode_image(data, channels, size, resize), "", hashlib.sha256(data).digest()
     except (DataError, OSError) as e:
-        return None, str(e), ""
+        return None, str(e), b""
 
 
-def decode_many(paths: list[Path], channels: int, size: int, resize: str,
-                workers: int) -> Iterator[tuple[np.ndarray | None, str, str]]:
-    """(image or None, reason if rejected, sha256 of the file), in order, decoded in parallel."""
-    return parallel_map(_decode_one, [(str(p), channels, size, resize) for p in paths], workers)
+def decode_many(paths: Iterable[str], channels: int, size: int, resize: str,
+                workers: int) -> Iterator[tuple[np.ndarray | None, str, bytes]]:
+    """(image or None, reason if rejected, SHA-256 of the file), in order, decoded in parallel."""
+    return parallel_map(_decode_one, ((p, channels, size, resize) for p in paths), workers)
 
 
-def parallel_map(fn: Callable[[T], R], jobs: list[T], workers: int) -> Iterator[R]:
-    """fn over jobs in `workers` processes, results in order."""
+def parallel_map(fn: Callable[[T], R], jobs: Iterable[T], workers: int) -> Iterator[R]:
+    """fn over jobs in `workers` processes, results in order, a few chunks in flight at a time:
+    Executor.map (before Python 3.14) takes every job at once, a future and a copy of its
+    arguments per chunk, which for a million images is memory that grows with the dataset."""
     if workers <= 1:
         yield from map(fn, jobs)
         return
+    jobs = iter(jobs)
+    gc.freeze()
     # Workers ignore Ctrl-C: the main process stops them, with one line instead of a
     # KeyboardInterrupt traceback from each.
     with ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
                              initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        yield from pool.map(fn, jobs, chunksize=32)
+        pending: deque[Future[list[R]]] = deque()
+        while True:
+            while len(pending) < 4 * workers and (chunk := list(islice(jobs, 32))):
+                pending.append(pool.submit(_each, fn, chunk))
+            if not pending:
+                return
+            yield from pending.popleft().result()
+
+
+def _each(fn: Callable[[T], R], chunk: list[T]) -> list[R]:
+    return [fn(job) for job in chunk]

@@ -20,6 +20,7 @@ import os
 import tarfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,16 @@ from PIL import Image
 from torch import Tensor
 
 from stages.lib.files import write_text
-from stages.lib.images import DataError, check_size, decode_pixels, fit, open_image, parallel_map
+from stages.lib.images import (
+    DIGEST,
+    DataError,
+    Files,
+    check_size,
+    decode_pixels,
+    fit,
+    open_image,
+    parallel_map,
+)
 
 INDEX = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("label", "<i8")])
 # Formats kept byte for byte (when within store_size); others (BMP, TIFF) are stored as PNG.
@@ -47,7 +57,7 @@ def shard_name(i: int) -> str:
 class Stored:
     data: bytes  # what the shard holds: the file as it was, or downsized and encoded again
     ext: str
-    sha256: str  # of the file as read: identical files in two splits are leakage
+    sha256: bytes  # of the file as read: identical files in two splits are leakage
     sums: np.ndarray  # (2, C): sum and sum of squares of its pixels at image_size, in [0, 1]
 
 
@@ -57,7 +67,7 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
     try:
         check_size(path)
         data = Path(path).read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
+        digest = hashlib.sha256(data).digest()
         img = decode_pixels(data, channels)  # a file that does not decode is rejected now
         with open_image(data) as opened:
             kept = KEPT.get(opened.format or "")
@@ -77,20 +87,22 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
 class ShardWriter:
     """Tar files of about `shard_bytes` in `folder`, numbered from `first`, each written under a
     temporary name and renamed when whole; members with fixed owners and times, so the same
-    samples give the same bytes."""
+    samples give the same bytes. Written member by member with tarfile's own headers
+    (TarInfo.tobuf) rather than a TarFile, which holds every member's TarInfo until it closes:
+    100 MB for a shard of small images."""
 
     def __init__(self, folder: Path, shard_bytes: int, first: int = 0):
         self.folder, self.shard_bytes, self.count = folder, shard_bytes, first
-        self.tar, self.tmp = None, None
+        self.file, self.tmp = None, None
 
     def full(self) -> bool:
-        return self.tar is not None and self.tar.offset >= self.shard_bytes
+        return self.file is not None and self.file.tell() >= self.shard_bytes
 
     def add(self, key: str, ext: str, data: bytes, label: int) -> tuple[int, int]:
         """Writes one sample; returns (shard, offset of its image bytes)."""
-        if self.tar is None:
+        if self.file is None:
             self.tmp = self.folder / f".{shard_name(self.count)}.tmp"
-            self.tar = tarfile.open(self.tmp, "w", format=tarfile.USTAR_FORMAT)
+            self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close)
         offset = self._member(f"{key}.{ext}", data)
         self._member(f"{key}.cls", str(label).encode())
         return self.count, offset
@@ -98,18 +110,20 @@ class ShardWriter:
     def _member(self, name: str, data: bytes) -> int:
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode = len(data), 0, 0o644
-        start = self.tar.offset
-        self.tar.addfile(info, io.BytesIO(data))
-        return start + tarfile.BLOCKSIZE  # a USTAR header of a short name is one block
+        self.file.write(info.tobuf(tarfile.USTAR_FORMAT))
+        offset = self.file.tell()
+        self.file.write(data + b"\0" * (-len(data) % tarfile.BLOCKSIZE))
+        return offset
 
-    def close(self) -> Path | None:
-        """The shard now whole, under its name (None when no sample was added)."""
-        if self.tar is None:
-            return None
-        self.tar.close()
+    def close(self) -> Path:
+        """The open shard, ended as TarFile ends one (two zero blocks, then zeros to a whole
+        record), under its name."""
+        end = self.file.tell() + 2 * tarfile.BLOCKSIZE
+        self.file.write(b"\0" * (2 * tarfile.BLOCKSIZE + -end % tarfile.RECORDSIZE))
+        self.file.close()
         path = self.folder / shard_name(self.count)
         os.replace(self.tmp, path)
-        self.count, self.tar = self.count + 1, None
+        self.count, self.file = self.count + 1, None
         return path
 
 
@@ -121,16 +135,19 @@ class Piece:
     end: int  # items[:end] are done: in this shard or an earlier one, or rejected
     bytes: int  # the shard's size
     rows: list[tuple[int, int, int, int]] = field(default_factory=list)  # INDEX rows
-    rejected: list[tuple[str, str]] = field(default_factory=list)
-    accepted: list[tuple[str, str]] = field(default_factory=list)  # (path, sha256)
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    accepted: list[tuple[int, str]] = field(default_factory=list)  # (item, sha256 in hex)
     sums: list[list[float]] = field(default_factory=list)  # (2, C)
 
 
 @dataclass
 class WrittenSplit:
-    index: np.ndarray
-    rejected: list[tuple[str, str]]
-    accepted: list[tuple[str, str]]  # (path, sha256)
+    """A split's shards as arrays, a few bytes a sample: a list of tuples per sample would be
+    memory that grows with the dataset."""
+    index: np.ndarray  # INDEX
+    rejected: list[tuple[str, str]]  # (path, reason)
+    accepted: np.ndarray  # the items stored, by their position in the split's items
+    digests: np.ndarray  # their files' SHA-256 (DIGEST)
     sums: np.ndarray  # (2, C) over the split
     resumed: int  # shards an earlier, killed run had written whole
 
@@ -155,52 +172,65 @@ def written_pieces(folder: Path) -> list[Piece]:
     return pieces
 
 
-def write_split(folder: Path, items: list[tuple[Path, int]], channels: int, image_size: int,
+def write_split(folder: Path, items: Files, channels: int, image_size: int,
                 resize: str, store_size: int, shard_bytes: int, workers: int) -> WrittenSplit:
     """A split's images into shards in `folder`, in the order of `items`, after the shards a
     killed run had written whole there."""
     from tqdm import tqdm
 
     folder.mkdir(parents=True, exist_ok=True)
-    pieces = written_pieces(folder)
-    resumed, start = len(pieces), pieces[-1].end if pieces else 0
-    jobs = [(str(p), channels, image_size, resize, store_size) for p, _ in items[start:]]
-    writer = ShardWriter(folder, shard_bytes, len(pieces))
-    piece, sums = Piece(start, 0), np.zeros((2, channels))
-    rows = sum(len(p.rows) for p in pieces)
+    done = written_pieces(folder)
+    resumed, start = len(done), done[-1].end if done else 0
+    index, accepted, digests, rejected = [], [], [], []
+    sums = np.zeros((2, channels))
+
+    def keep(piece: Piece) -> None:  # a whole shard's record, kept as arrays
+        nonlocal sums
+        index.append(np.array([tuple(r) for r in piece.rows], dtype=INDEX))
+        accepted.append(np.array([i for i, _ in piece.accepted], dtype=np.int64))
+        digests.append(np.array([bytes.fromhex(d) for _, d in piece.accepted], dtype=DIGEST))
+        rejected.extend(map(tuple, piece.rejected))
+        sums = sums + np.array(piece.sums)
+
+    for piece in done:
+        keep(piece)
+    writer = ShardWriter(folder, shard_bytes, resumed)
+    piece, piece_sums, rows = Piece(start, 0), np.zeros((2, channels)), sum(map(len, index))
 
     def finish(end: int) -> None:  # the open shard is whole: rename it, record its piece
-        nonlocal piece, sums
+        nonlocal piece, piece_sums
         path = writer.close()
-        piece.end, piece.bytes, piece.sums = end, path.stat().st_size, sums.tolist()
+        piece.end, piece.bytes, piece.sums = end, path.stat().st_size, piece_sums.tolist()
         write_text(path.with_name(path.name + ".json"), json.dumps(asdict(piece)))
-        pieces.append(piece)
-        piece, sums = Piece(end, 0), np.zeros((2, channels))
+        keep(piece)
+        piece, piece_sums = Piece(end, 0), np.zeros((2, channels))
 
-    work = zip(items[start:], parallel_map(store_one, jobs, workers), strict=True)
-    for pos, ((path, label), got) in enumerate(tqdm(work, total=len(jobs), desc=f"shard {folder.name}",
-                                                    mininterval=2, disable=len(jobs) < 1000), start):
+    jobs = ((path, channels, image_size, resize, store_size) for path, _ in islice(items, start, None))
+    work = zip(islice(items, start, None), parallel_map(store_one, jobs, workers), strict=True)
+    for pos, ((path, label), got) in enumerate(tqdm(work, total=len(items) - start,
+                                                    desc=f"shard {folder.name}", mininterval=2,
+                                                    disable=len(items) - start < 1000), start):
         if isinstance(got, str):
-            piece.rejected.append((str(path), got))
+            piece.rejected.append((path, got))
             continue
         if writer.full():
             finish(pos)
         shard, offset = writer.add(f"{rows:09d}", got.ext, got.data, label)
         piece.rows.append((shard, offset, len(got.data), label))
-        piece.accepted.append((str(path), got.sha256))
-        sums += got.sums
+        piece.accepted.append((pos, got.sha256.hex()))
+        piece_sums += got.sums
         rows += 1
-    tail = piece.rejected  # rejected files after the last shard, if none is open
-    if writer.tar is not None:
-        tail = []
+    if writer.file is not None:
         finish(len(items))
-    index = np.array([tuple(r) for p in pieces for r in p.rows], dtype=INDEX)
+    else:  # files rejected after the last shard: in no record, redone after a kill
+        rejected += piece.rejected
+    index_all = np.concatenate(index) if index else np.empty(0, INDEX)
     tmp = folder / ".index.tmp.npy"
-    np.save(tmp, index)
+    np.save(tmp, index_all)
     os.replace(tmp, folder / "index.npy")
-    return WrittenSplit(index, [tuple(r) for p in pieces for r in p.rejected] + tail,
-                        [tuple(a) for p in pieces for a in p.accepted],
-                        sum((np.array(p.sums) for p in pieces), np.zeros((2, channels))), resumed)
+    return WrittenSplit(index_all, rejected,
+                        np.concatenate(accepted) if accepted else np.empty(0, np.int64),
+                        np.concatenate(digests) if digests else np.empty(0, DIGEST), sums, resumed)
 
 
 def digest(folders: Iterable[Path]) -> str:
