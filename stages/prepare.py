@@ -196,7 +196,7 @@ def write_shards(cfg: DataConfig, out: Path, classes: list[str],
                   f"killed run left in {partial / name}", flush=True)
         rejected += written[name].rejected
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
-    leaks = leaks_in({name: (items[name].paths[w.accepted], w.digests) for name, w in written.items()})
+    leaks = leaks_in(items, {name: (w.accepted, w.digests) for name, w in written.items()})
     total, squares = torch.from_numpy(written["train"].sums)
     meta = meta_of(total, squares, len(written["train"].index) * cfg.image_size ** 2,
                    {name: torch.from_numpy(w.index["label"]) for name, w in written.items()},

@@ -88,7 +88,7 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path,
                                                          scratch / f".{name}.npy")
         rejected += bad
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
-    return Loaded(splits, classes, rejected, leaks_in(accepted))
+    return Loaded(splits, classes, rejected, leaks_in(items, accepted))
 
 
 def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig) -> None:
@@ -99,28 +99,28 @@ def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig)
                         f"{cfg.max_rejected_fraction}); first: {listing}")
 
 
-Accepted = tuple[np.ndarray, np.ndarray]  # a split's files decoded: Files.paths and digests (DIGEST)
+# Which of a split's files were decoded (their positions in its Files) and their digests (DIGEST).
+Accepted = tuple[np.ndarray, np.ndarray]
 
 
-def leaks_in(accepted: dict[str, Accepted]) -> dict[str, list[tuple[str, str]]]:
+def leaks_in(items: dict[str, Files], accepted: dict[str, Accepted]) -> dict[str, list[tuple[str, str]]]:
     """Identical files (by sha256) in more than one split: {hex digest: [(split, path), ...]},
     in the order the splits list them. Files are matched by their digests' first 8 bytes, sorted
-    as integers, then by the whole digest: cheaper than sorting a million 32-byte strings."""
-    names = list(accepted)
-    digests = np.concatenate([d for _, d in accepted.values()])
-    if len(digests) < 2:
+    as integers, then by the whole digest: for a million files, 30 MB of arrays for a moment
+    rather than copies of every digest."""
+    names, sizes = list(accepted), [len(d) for _, d in accepted.values()]
+    if sum(sizes) < 2:
         return {}
-    split = np.repeat(np.arange(len(names)), [len(d) for _, d in accepted.values()])
-    prefix = digests.view(np.uint64).reshape(len(digests), -1)[:, 0]
-    order = np.argsort(prefix, kind="stable")
-    same = prefix[order[1:]] == prefix[order[:-1]]
-    twins = np.unique(order[np.concatenate([same, [False]]) | np.concatenate([[False], same])])
-    groups: dict[bytes, list[int]] = {}
-    for i in twins.tolist():  # in the order the splits list them
-        groups.setdefault(digests[i].tobytes(), []).append(i)
-    paths = np.concatenate([p for p, _ in accepted.values()])
-    return {d.hex(): [(names[split[i]], os.fsdecode(paths[i])) for i in group]
-            for d, group in groups.items() if len({split[i] for i in group}) > 1}
+    heads = np.concatenate([d.view(np.uint64)[::4] for _, d in accepted.values()])
+    split, start = np.repeat(np.arange(len(names), dtype=np.int8), sizes), np.cumsum([0, *sizes])
+    order = np.argsort(heads, kind="stable")
+    same = heads[order[1:]] == heads[order[:-1]]
+    groups: dict[bytes, list[tuple[str, int]]] = {}
+    for i in np.unique(order[np.r_[same, False] | np.r_[False, same]]).tolist():  # in order
+        name, at = names[split[i]], i - start[split[i]]
+        groups.setdefault(accepted[name][1][at].tobytes(), []).append((name, at))
+    return {d.hex(): [(name, items[name].path(int(accepted[name][0][at]))) for name, at in group]
+            for d, group in groups.items() if len({name for name, _ in group}) > 1}
 
 
 SOURCES: dict[str, Callable[[DataConfig, int, Path], Loaded]] = {
@@ -297,7 +297,7 @@ def decode_split(items: Files, cfg: DataConfig, workers: int,
         digests.append(digest)
     x.flush()
     return Split(torch.from_numpy(x[:len(labels)]), torch.tensor(labels, dtype=torch.int64)), \
-        rejected, (items.paths[kept], np.array(digests, dtype=DIGEST).reshape(-1))
+        rejected, (np.array(kept, dtype=np.int64), np.array(digests, dtype=DIGEST).reshape(-1))
 
 
 def resize(x: Tensor, size: int, channels: int) -> Tensor:

@@ -121,24 +121,24 @@ def test_given_splits_are_used_and_leakage_is_reported(tmp_path, fmt):
 
 def test_leaks_are_whole_digests_shared_across_splits_in_the_splits_order():
     """leaks_in matches files by their digests' first 8 bytes, then by the whole digest."""
-    from stages.lib.images import DIGEST
+    from stages.lib.images import DIGEST, Files
     from stages.sources import leaks_in
 
     def digest(head: int, tail: int) -> bytes:
         return bytes([head] * 8 + [tail] * 24)
 
-    def split(*named):
-        return (np.array([os.fsencode(p) for p, _ in named], dtype=np.bytes_),
-                np.array([digest(*d) for _, d in named], dtype=DIGEST))
+    def leaks(**splits):  # each split's files: (path, digest) decoded, or (path, None) rejected
+        items = {n: Files.of([p for p, _ in files], 0) for n, files in splits.items()}
+        return leaks_in(items, {n: (np.array([i for i, (_, d) in enumerate(files) if d], dtype=int),
+                                    np.array([digest(*d) for _, d in files if d], dtype=DIGEST))
+                                for n, files in splits.items()})
 
-    got = leaks_in({
-        "train": split(("a", (1, 1)), ("b", (2, 2)), ("b2", (2, 2)), ("c", (3, 3)), ("e", (5, 5))),
-        "val": split(("c-val", (3, 3)), ("twin", (1, 9))),  # the same 8 bytes as a, another file
-        "test": split(("e-test", (5, 5)), ("c-test", (3, 3)), ("lone", (7, 7))),
-    })
+    got = leaks(train=[("a", (1, 1)), ("b", (2, 2)), ("b2", (2, 2)), ("c", (3, 3)), ("e", (5, 5))],
+                val=[("bad", None), ("c-val", (3, 3)), ("twin", (1, 9))],  # twin: a's first 8 bytes
+                test=[("e-test", (5, 5)), ("c-test", (3, 3)), ("lone", (7, 7))])
     assert got == {digest(3, 3).hex(): [("train", "c"), ("val", "c-val"), ("test", "c-test")],
                    digest(5, 5).hex(): [("train", "e"), ("test", "e-test")]}
-    assert leaks_in({"train": split(("a", (1, 1))), "val": split(), "test": split()}) == {}
+    assert leaks(train=[("a", (1, 1))], val=[], test=[]) == {} == leaks(train=[], val=[], test=[])
 
 
 def test_too_many_bad_files_fail_naming_the_threshold(tmp_path):
