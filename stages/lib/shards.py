@@ -20,7 +20,6 @@ import os
 import tarfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -205,11 +204,11 @@ def write_split(folder: Path, items: Files, channels: int, image_size: int,
         keep(piece)
         piece, piece_sums = Piece(end, 0), np.zeros((2, channels))
 
-    jobs = ((path, channels, image_size, resize, store_size) for path, _ in islice(items, start, None))
-    work = zip(islice(items, start, None), parallel_map(store_one, jobs, workers), strict=True)
-    for pos, ((path, label), got) in enumerate(tqdm(work, total=len(items) - start,
-                                                    desc=f"shard {folder.name}", mininterval=2,
-                                                    disable=len(items) - start < 1000), start):
+    rest = items[start:]
+    jobs = ((path, channels, image_size, resize, store_size) for path, _ in rest)
+    work = zip(rest, parallel_map(store_one, jobs, workers), strict=True)
+    for pos, ((path, label), got) in enumerate(tqdm(work, total=len(rest), desc=f"shard {folder.name}",
+                                                    mininterval=2, disable=len(rest) < 1000), start):
         if isinstance(got, str):
             piece.rejected.append((path, got))
             continue
