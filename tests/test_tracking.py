@@ -163,7 +163,7 @@ def test_sigterm_marks_the_run_killed(tmp_path, digits, mlflow_uri):
     assert mlflow.MlflowClient(mlflow_uri).get_run(state["run_id"]).info.status == "KILLED"
 
 
-def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd):
+def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd, monkeypatch):
     import mlflow
 
     from stages import tracking
@@ -174,6 +174,8 @@ def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd):
     mlflow.MlflowClient(f"sqlite:///{db}").create_experiment(
         "read-only", artifact_location=(tmp_path / "art").as_uri())
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///file:{db}?mode=ro&uri=true"
+    (cwd := tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(cwd)  # the store's lock once went to `file:/...` under the working folder
     try:
         with pytest.warns(UserWarning) as caught, tracking.start_run(MlflowConfig("read-only")) as r:
             r.log_metrics({"a": 1.0})
@@ -184,6 +186,8 @@ def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd):
     assert "\n" not in str(caught[0].message)
     out = capfd.readouterr()
     assert "Traceback" not in out.err and "SQL" not in out.err, out.err
+    # (MLflow itself makes the empty folders `file:/...` here: _make_parent_dirs_if_sqlite)
+    assert not [p for p in cwd.rglob("*") if p.is_file()] and (tmp_path / "mlflow.db.lock").is_file()
 
 
 # ------------------------------------------------------------ a run that recovers

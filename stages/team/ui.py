@@ -16,13 +16,13 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 
 from stages import tracking
 from stages.config import load_params
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.processes import private_folder, started
 from stages.lib.redact import masked
+from stages.tracking import stores
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     # The runs table's address (MLflow imported, the store read) while the server starts, so
     # that both addresses come together once it answers. A store that does not exist yet has no
     # experiment, and reading it would create it beside the starting server.
-    store = uri.removeprefix("sqlite:///").split("?", 1)[0]  # the default has ?timeout=
-    new = uri.startswith("sqlite:///") and not store.startswith("file:") and \
-        not Path(store).exists()
+    new = (store := stores.sqlite_file(uri)) is not None and not store.exists()
     table = in_background(lambda: f"{base} (no experiment {cfg.experiment!r} yet: run `make "
                           "repro` first)" if new else tracking.experiment_url(cfg, base))
     with started("MLflow UI", cmd, env, log, f"{base}/health", args.timeout,

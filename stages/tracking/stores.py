@@ -54,15 +54,23 @@ def tracking_uri(cfg: MlflowConfig) -> str:
     return uri
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The file of a `sqlite:///` store, also in sqlite's URI form (`sqlite:///file:PATH?mode=ro&uri=true`,
+    which a lock beside `file:PATH` once turned into a folder named `file:`); None for others."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri.removeprefix("sqlite:///").split("?")[0]
+    return Path(urlsplit(path).path if path.startswith("file:") else path)
+
+
 @contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """One process at a time creates a sqlite store (its migrations) and the experiment."""
-    if not uri.startswith("sqlite:///"):
+    if (db := sqlite_file(uri)) is None:
         yield
         return
     import fcntl
 
-    db = Path(uri.removeprefix("sqlite:///").split("?")[0])
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

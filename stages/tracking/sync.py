@@ -90,10 +90,9 @@ def _lock(source: str, wait_s: float | None) -> Iterator[None]:
     long to wait for the holder (None: until it is done); then Busy."""
     from filelock import FileLock, Timeout
 
-    if not source.startswith("sqlite:///"):
+    if (db := stores.sqlite_file(source)) is None:
         yield
         return
-    db = Path(source.removeprefix("sqlite:///").split("?")[0])
     path = db.with_name(db.name + ".sync-lock")
     lock = FileLock(path)
     try:
@@ -168,10 +167,7 @@ def _check_source(source: str) -> None:
     """A damaged source ends the sync in one line. The spool is moved aside first (and kept):
     MLflow would otherwise make a fresh store in its place at the next stage, or fail in a
     traceback on every sync."""
-    if not source.startswith("sqlite:///"):
-        return
-    db = Path(source.removeprefix("sqlite:///").split("?")[0])
-    if not db.is_file():
+    if (db := stores.sqlite_file(source)) is None or not db.is_file():
         return
     if (problem := damage(db)) is None:
         if other := _other_schema(db):
@@ -552,8 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"nothing to sync: no spool at {stores.spool_file().parent} (no run was logged "
               "while the server was down)")
         return
-    if source.startswith("sqlite:///"):
-        db = Path(source.removeprefix("sqlite:///").split("?")[0])
+    if (db := stores.sqlite_file(source)) is not None:
         if not db.is_file():
             raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
                             "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
