@@ -212,8 +212,9 @@ class StreamedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.y)
 
-    def crop_seed(self, i: int, epoch: int) -> int:
-        return int(_hash(self.seed, epoch, torch.tensor([i]), 4)[0]) % 2**63
+    def crop_seed(self, i: int, epoch: int) -> str:
+        # Python's Random seeds from a string's SHA-512: the same in every process and run.
+        return f"crop {self.seed} {epoch} {i}"
 
     def __getitem__(self, key: tuple[int, int]) -> tuple:
         """(*sample, label, index); a sample that fails to decode comes blank, its index negative:
@@ -224,7 +225,7 @@ class StreamedDataset(torch.utils.data.Dataset):
         except DataError:
             return *self.blank(), self.y[i], -1 - i
 
-    def sample(self, i: int, seed: int) -> tuple[Tensor, ...]:
+    def sample(self, i: int, seed: str) -> tuple[Tensor, ...]:
         return (self.x.cropped(i, seed),)
 
     def blank(self) -> tuple[Tensor, ...]:
@@ -235,7 +236,7 @@ class EncodedStream(StreamedDataset):
     """StreamedDataset for the GPU's decoder: a JPEG sample as its bytes and crop box
     (ShardImages.jpeg_crop), any other decoded and cropped here (its box -1)."""
 
-    def sample(self, i: int, seed: int) -> tuple[Tensor, Tensor]:
+    def sample(self, i: int, seed: str) -> tuple[Tensor, Tensor]:
         if (got := self.x.jpeg_crop(i, seed)) is not None:
             return got
         return self.x.cropped(i, seed), torch.full((4,), -1)

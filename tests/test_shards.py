@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import tarfile
@@ -329,9 +330,12 @@ def test_validation_and_evaluate_decode_shards_in_workers_to_the_same_logits(bot
     assert len(logits[0]) == len(split.y) and torch.equal(logits[0], logits[1])
 
 
-def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tmp_path):
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tmp_path,
+                                                                              orientation):
     """Pillow's draft: a 256x192 JPEG cropped to 16 px decodes at 1/4 (64x48, sides >= 32), and
-    the crop drawn at the full size is cut from it: the pixels of the whole decode's crop."""
+    the crop drawn at the full size is cut from it: the pixels of the whole decode's crop. Turned
+    a quarter by its EXIF orientation (6), the box is drawn at the turned size, 192x256."""
     import numpy as np
     from PIL import Image
 
@@ -340,14 +344,19 @@ def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tm
 
     yy, xx = np.mgrid[0:192, 0:256]
     ramp = np.stack([xx, yy, (xx + yy) / 2], -1) * 0.6 + 20 * np.sin(xx / 40)[..., None]
-    Image.fromarray(ramp.astype(np.uint8)).save(tmp_path / "a.jpg", quality=95)
+    exif = Image.Exif()
+    exif[shards.ORIENTATION] = orientation
+    Image.fromarray(ramp.astype(np.uint8)).save(tmp_path / "a.jpg", quality=95, exif=exif)
     shards.write_split(tmp_path / "split", Files.of([str(tmp_path / "a.jpg")], 0), 3, 16,
                        "squash", 256, 2**20, 1)
     x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
-    assert x.pixels(0, x.draft).size == (64, 48)
-    whole = decode_pixels((tmp_path / "a.jpg").read_bytes(), 3)
+    size = (256, 192) if orientation == 1 else (192, 256)
+    drafted, full = x.pixels(0, x.draft)
+    assert drafted.size == (size[0] // 4, size[1] // 4) and full == size
+    whole, _ = decode_pixels((tmp_path / "a.jpg").read_bytes(), 3)
+    assert whole.size == size
     for seed in range(5):
-        top, left, h, w = shards.crop_box(256, 192, torch.Generator().manual_seed(seed))
+        top, left, h, w = shards.crop_box(*size, random.Random(seed))
         want = np.asarray(whole.resize((16, 16), Image.Resampling.BICUBIC,
                                        box=(left, top, left + w, top + h))).transpose(2, 0, 1)
         diff = (x.cropped(0, seed).int() - torch.from_numpy(want.copy()).int()).abs().float()

@@ -219,13 +219,15 @@ def decode_image(source: str | Path | bytes, channels: int, size: int,
                  resize: str) -> np.ndarray:
     """uint8 (C, size, size) from a file or its bytes. Raises DataError with the reason for an
     unreadable file."""
-    return fit(decode_pixels(source, channels), size, resize)
+    return fit(decode_pixels(source, channels)[0], size, resize)
 
 
-def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0) -> Image.Image:
-    """The whole image, decoded and checked, in "L" or "RGB" at its own size; with `draft`, a
-    JPEG at the smallest of 1/2, 1/4 or 1/8 of it whose sides stay at least `draft` (libjpeg
-    scales the inverse DCT: a quarter of the work for a crop to a small size)."""
+def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0
+                  ) -> tuple[Image.Image, tuple[int, int]]:
+    """The whole image, decoded and checked, in "L" or "RGB" at its own size, and that size
+    (width, height); with `draft`, a JPEG at the smallest of 1/2, 1/4 or 1/8 of it whose sides
+    stay at least `draft` (libjpeg scales the inverse DCT: a quarter of the work for a crop to a
+    small size), and still its full size, the one a crop box is drawn at."""
     if not isinstance(source, bytes):
         check_size(source)
     empty = len(source) == 0 if isinstance(source, bytes) else Path(source).stat().st_size == 0
@@ -236,10 +238,13 @@ def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0) -> 
             raise DataError(f"{opened.width}x{opened.height} pixels: a side over {MAX_SIDE:,} "
                             "(MAX_SIDE in stages/lib/images.py); crop or resize it first")
         try:
+            full = opened.size
             if draft:
                 opened.draft(opened.mode, (draft, draft))
             opened.load()  # decode it all now: a truncated file fails here, never padded silently
-            return to_mode(ImageOps.exif_transpose(opened), "L" if channels == 1 else "RGB")
+            img = ImageOps.exif_transpose(opened)
+            turned = img.size != opened.size  # by its EXIF orientation: a quarter turn
+            return to_mode(img, "L" if channels == 1 else "RGB"), full[::-1] if turned else full
         except Exception:  # noqa: BLE001 - a decoder fails with any type on a crafted file
             raise DataError(f"a damaged or truncated {opened.format} file: its header reads but "
                             "its pixels do not decode; save or copy it again") from None

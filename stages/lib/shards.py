@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
+import random
 import tarfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -67,7 +69,7 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
         check_size(path)
         data = Path(path).read_bytes()
         digest = hashlib.sha256(data).digest()
-        img = decode_pixels(data, channels)  # a file that does not decode is rejected now
+        img, _ = decode_pixels(data, channels)  # a file that does not decode is rejected now
         with open_image(data) as opened:
             kept = KEPT.get(opened.format or "")
         if kept is None or max(img.size) > store_size:
@@ -76,7 +78,7 @@ def store_one(args: tuple[str, int, int, str, int]) -> Stored | str:
             kept = "jpg" if kept == "jpg" else "png"
             img.save(out, "JPEG" if kept == "jpg" else "PNG", quality=95)
             data = out.getvalue()
-            img = decode_pixels(data, channels)  # as val will read it: JPEG is lossy
+            img, _ = decode_pixels(data, channels)  # as val will read it: JPEG is lossy
         x = fit(img, image_size, resize).astype(np.float64) / 255
         return Stored(data, kept, digest, np.stack([x.sum((1, 2)), np.square(x).sum((1, 2))]))
     except (DataError, OSError) as e:
@@ -300,15 +302,16 @@ class ShardImages:
                             "`dvc checkout data/prepared` or `dvc repro -f prepare`")
         return data
 
-    def pixels(self, i: int, draft: int = 0, data: bytes | None = None) -> Image.Image:
+    def pixels(self, i: int, draft: int = 0) -> tuple[Image.Image, tuple[int, int]]:
+        """Sample i as decode_pixels gives it: the image, and its size undrafted."""
         try:
-            return decode_pixels(self.raw(i) if data is None else data, self.channels, draft)
+            return decode_pixels(self.raw(i), self.channels, draft)
         except DataError as e:
             raise DataError(f"{self.folder / shard_name(int(self.index[i]['shard']))}: sample {i} "
                             f"does not decode ({e}); rebuild it with `dvc repro -f prepare`") from None
 
     def decoded(self, i: int) -> Tensor:
-        return torch.from_numpy(np.array(fit(self.pixels(i), self.size, self.resize)))
+        return torch.from_numpy(np.array(fit(self.pixels(i)[0], self.size, self.resize)))
 
     def __getitem__(self, key: int | slice | Tensor | list) -> Tensor:
         if isinstance(key, (int, np.integer)):
@@ -319,13 +322,11 @@ class ShardImages:
             return torch.empty((0, *self.shape[1:]), dtype=torch.uint8)
         return torch.stack([self.decoded(i) for i in picked])
 
-    def cropped(self, i: int, seed: int) -> Tensor:
+    def cropped(self, i: int, seed: int | str) -> Tensor:
         """Sample i at image_size through a random-resized crop of its stored resolution, the
         crop drawn from `seed` alone (the loader keys it by seed, epoch and index)."""
-        data = self.raw(i)
-        width, height = full_size(data)
-        img = self.pixels(i, self.draft, data)
-        top, left, h, w = crop_box(width, height, torch.Generator().manual_seed(seed))
+        img, (width, height) = self.pixels(i, self.draft)
+        top, left, h, w = crop_box(width, height, random.Random(seed))
         # The box drawn at the full size (jpeg_crop's too), cut from the image as decoded.
         sx, sy = img.width / width, img.height / height
         # What torchvision's resized_crop does to a PIL image, and val's resize (fit) too.
@@ -341,7 +342,7 @@ class ShardImages:
         downsized to image_size."""
         return 2 * self.size
 
-    def jpeg_crop(self, i: int, seed: int) -> tuple[Tensor, Tensor] | None:
+    def jpeg_crop(self, i: int, seed: int | str) -> tuple[Tensor, Tensor] | None:
         """Sample i's JPEG bytes and `cropped`'s crop box, for the GPU's JPEG decoder; None where
         that decoder would not give decode_pixels' image (not a plain RGB or grey JPEG, or turned
         by its EXIF orientation), which `cropped` then decodes here."""
@@ -351,7 +352,7 @@ class ShardImages:
                     img.getexif().get(ORIENTATION, 1) != 1:
                 return None
             width, height = img.size
-        box = crop_box(width, height, torch.Generator().manual_seed(seed))
+        box = crop_box(width, height, random.Random(seed))
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box)
 
 
@@ -377,28 +378,18 @@ def decoded_on_gpu(payloads: list[Tensor], boxes: Tensor, size: int, channels: i
     return out
 
 
-def full_size(data: bytes) -> tuple[int, int]:
-    """(width, height) of the image decode_pixels makes of `data` without a draft, from its
-    header: turned by its EXIF orientation."""
-    with open_image(data) as img:
-        turned = img.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
-        return (img.height, img.width) if turned else img.size
-
-
-def crop_box(width: int, height: int, g: torch.Generator) -> tuple[int, int, int, int]:
+def crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
     """(top, left, height, width) of a random-resized crop: torchvision's RandomResizedCrop
-    draw, from a generator of its own (torchvision's draws from the global RNG, and seeding that
-    per sample costs 1 ms under torch.compile's wrapper)."""
+    draw, from a generator of the sample's own (torchvision's draws from the global RNG; a
+    Python Random costs a few microseconds a sample, torch's tensor draws ten times that)."""
     area = width * height
-    log_ratio = torch.log(torch.tensor(CROP_RATIO))
+    log_ratio = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
     for _ in range(10):
-        target = area * torch.empty(1).uniform_(*CROP_SCALE, generator=g).item()
-        ratio = torch.exp(torch.empty(1).uniform_(*log_ratio.tolist(), generator=g)).item()
+        target = area * rng.uniform(*CROP_SCALE)
+        ratio = math.exp(rng.uniform(*log_ratio))
         w, h = round((target * ratio) ** 0.5), round((target / ratio) ** 0.5)
         if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (1,), generator=g))
-            left = int(torch.randint(0, width - w + 1, (1,), generator=g))
-            return top, left, h, w
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
     ratio = width / height  # as torchvision: the whole image, cut to the nearest ratio allowed
     if ratio < CROP_RATIO[0]:
         w, h = width, round(width / CROP_RATIO[0])
