@@ -137,8 +137,8 @@ def exit_now() -> typing.NoReturn:
     with no public equivalent, checked on CPython 3.11): its threading step also stops idle
     thread pools, which a plain join of every thread would wait on forever. Pinned by
     tests/test_private_names.py."""
-    threading._shutdown()  # private, pinned: test_private_names.py
-    atexit._run_exitfuncs()  # private, pinned: test_private_names.py
+    threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
+    atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
     code = 0
     for stream in (sys.stdout, sys.stderr):
         try:

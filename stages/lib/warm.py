@@ -55,8 +55,10 @@ STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "exp
 # flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter with its
 # op library, the stratified split's scikit-learn. Not matplotlib (0.3 s): its import reads
 # ./matplotlibrc and the user's, which must be the caller's folder and HOME, not this one's.
-# `torch._dynamo` is private: no public module imports it (`torch.compiler` does not), and
-# AdamW's first step does; pinned with the others by tests/test_private_names.py.
+# `torch._dynamo` is private (checked on torch 2.14.1, pinned by tests/test_private_names.py):
+# AdamW's first step imports it (1.1 s), and no public module does. Its public route,
+# `torch.compiler.reset()`, also sets TORCHINDUCTOR_CACHE_DIR, which a cold stage leaves unset
+# (tests/test_warm.py caught it).
 PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
            "onnxscript", "onnxscript.function_libs.torch_lib.ops", "mlflow", "mlflow.pyfunc",
            "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection",
@@ -508,8 +510,8 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
         print(code, file=sys.stderr)
         code = 1
     # The interpreter's own shutdown steps that matter (stages.lib.cli.exit_now says why).
-    threading._shutdown()  # private, pinned: test_private_names.py
-    atexit._run_exitfuncs()  # private, pinned: test_private_names.py
+    threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
+    atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
