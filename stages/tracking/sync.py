@@ -548,10 +548,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"nothing to sync: no spool at {stores.spool_file().parent} (no run was logged "
               "while the server was down)")
         return
-    if (db := stores.sqlite_file(source)) is not None:
-        if not db.is_file():
-            raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
-                            "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
+    if (db := stores.sqlite_file(source)) is not None and not db.is_file():
+        raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
+                        "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
     if stores.plain_uri(source) == stores.plain_uri(target):
         raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
     if not args.source and (counts := spooled(stores.spool_file(), target)) and not counts[0]:
