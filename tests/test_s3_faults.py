@@ -23,6 +23,7 @@ import pytest
 from stages.team.s3 import S3, inside, start, stop, weed
 from tests.conftest import ROOT, VENV_BIN, env_with, run
 from tests.support.services import free_port, s3, s3_client_env, server_env  # noqa: F401 - the fixture
+from tests.support.workspaces import interruptible
 
 
 def workspace(path: Path, s3: S3, url: str, files: int = 5, size: int = 1000) -> Path:  # noqa: F811
@@ -367,9 +368,7 @@ def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_pat
                             cwd=tmp_path, env=env_with(PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,  # its own group, as a terminal runs it
-                            # and with SIGHUP's default, as a terminal's shell gives it, even
-                            # where this test runs under `nohup` (which make would inherit)
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+                            preexec_fn=interruptible)
     servers = []
     try:
         lines = []

@@ -49,9 +49,11 @@ def wait_for_checkpoint(proc, w, epoch: int = 1) -> None:
 
 
 def interruptible() -> None:
-    """In the child: Ctrl-C as in a terminal. A shell without job control starts background
-    commands (and everything they start) with SIGINT ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """In the child: Ctrl-C, Ctrl-\\ and a closed terminal as in a terminal. A shell without job
+    control starts background commands (and everything they start) with SIGINT and SIGQUIT
+    ignored, and `nohup` ignores SIGHUP: make would inherit that and never stop."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def folder_workspace(w):
