@@ -156,6 +156,8 @@ def test_s3_down_behind_the_server_spools_the_run_and_sync_lands_it_once(postgre
     """The tracking server answers, its artifact store does not: each stage says so in one
     line and spools; `make sync` with S3 back sends the run, its artifacts and the logged
     model into the bucket, and a second sync sends nothing again."""
+    import psutil
+
     from stages.team.s3 import start, stop
 
     store = start(tmp_path / "s3", 0, (BUCKET,))
@@ -165,6 +167,11 @@ def test_s3_down_behind_the_server_spools_the_run_and_sync_lands_it_once(postgre
         with mlflow_server(db, tmp_path / "server", artifacts=f"s3://{BUCKET}/{PREFIX}",
                            env=store.env()) as server:
             stop(store)
+            # A client waits while the server retries S3: it retries once, not botocore's
+            # default four times (7-9 s more a stage, here, before the 5xx that lets it spool).
+            [mlflow] = [p for p in psutil.process_iter(["cmdline"]) if "--artifacts-destination"
+                        in (p.info["cmdline"] or ()) and server.uri.rsplit(":", 1)[1] in p.info["cmdline"]]
+            assert {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": "2"}.items() <= mlflow.environ().items()
             w = workspace(tmp_path / "w", digits)
             env = client_env(server, w)
             for p in stages(w, env):

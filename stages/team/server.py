@@ -323,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     # MLflow's job runner (GenAI scorers, trace archival) is seven more processes that training
     # runs never use; MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true in the environment keeps it.
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    # A client's upload waits while the server retries S3: with botocore's default (legacy, 5
+    # tries) a stage took 7-9 s longer to get the 5xx that lets it spool, the endpoint down. One
+    # retry after at most a second; the admin's own AWS_RETRY_MODE/AWS_MAX_ATTEMPTS win.
+    if "AWS_RETRY_MODE" not in env and "AWS_MAX_ATTEMPTS" not in env:
+        env.update(AWS_RETRY_MODE="standard", AWS_MAX_ATTEMPTS="2")
     cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth",
            "--backend-store-uri", args.db, "--artifacts-destination", artifacts, "--serve-artifacts",
            "--host", args.host, "--port", str(args.port), "--allowed-hosts", hosts,
