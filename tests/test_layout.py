@@ -8,7 +8,7 @@ import subprocess
 import sys
 from importlib.util import find_spec
 
-from stages.bench.imports import graph, packages_of, sources, summary
+from stages.bench.imports import closure, graph, packages_of, sources, summary
 from tests.conftest import ROOT
 
 
@@ -71,3 +71,15 @@ def test_the_sweeps_processes_import_no_torch():
                         "slurm, study, trial, worker; print(sorted({'torch', 'mlflow'} & set(sys.modules)))"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "[]", (p.stdout, p.stderr)
+
+
+def test_the_served_models_code_copy_is_what_it_imports():
+    """The served model runs away from the checkout on the copy of stages/ saved with it: every
+    module it imports, transitively, and the registries config reads as text."""
+    from stages.serving.registry import PACKAGE
+
+    needed = {m.removeprefix("stages.").replace(".", "/") for m in
+              closure(graph(sources()), "stages.serving.served_model", lambda m: False)}
+    packages = {"__init__.py", "lib/__init__.py", "serving/__init__.py"}
+    assert set(PACKAGE) == {f"{m}.py" for m in needed - {"serving/served_model"}} | packages | \
+        {"models.py", "sources.py"}

@@ -758,18 +758,6 @@ def test_dockerfile_names_the_locked_versions_and_the_pyfunc_server(in_workspace
     assert sorted(p.relative_to(code).as_posix() for p in code.rglob("*.py")) == sorted(PACKAGE)
 
 
-def test_the_served_models_code_copy_is_what_it_imports():
-    """The served model runs away from the checkout on the copy of stages/ saved with it: every
-    module it imports, transitively, and the registries config reads as text."""
-    from stages.bench.imports import closure, graph, sources
-
-    needed = {m.removeprefix("stages.").replace(".", "/") for m in
-              closure(graph(sources()), "stages.serving.served_model", lambda m: False)}
-    packages = {"__init__.py", "lib/__init__.py", "serving/__init__.py"}
-    assert set(PACKAGE) == {f"{m}.py" for m in needed - {"serving/served_model"}} | packages | \
-        {"models.py", "sources.py"}
-
-
 def test_the_log_is_private(server):
     """Root writing its log through a symlink another user planted at /tmp/NAME-PORT.log would
     overwrite what it points at: the log is in a new 0700 folder."""
