@@ -405,9 +405,12 @@ SLOW: dict[str, str | tuple[str, ...]] = {
 
 # `make test` runs modules longest first (it keeps this order with --no-loadscope-reorder), so
 # the workers end together instead of one starting the 3-minute workflow test when the
-# other is nearly done. The seconds are the last run's, kept in pytest's cache; a first run
-# (a fresh clone, CI) starts the modules with the most `slow` tests first.
+# other is nearly done. The seconds are the last whole run's, kept in pytest's cache; a fresh
+# clone (CI) takes tests/module_seconds.json, a copy of a run's: ordered by each module's count
+# of slow tests instead, that run's times would have ended its two workers 48 s apart. Refresh
+# it after a whole `make test`: cp .pytest_cache/v/reprotrain/module_seconds tests/module_seconds.json
 DURATIONS_KEY = "reprotrain/module_seconds"
+DURATIONS_FILE = Path(__file__).with_name("module_seconds.json")
 _seconds: dict[str, float] = {}
 
 
@@ -418,14 +421,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if names == "*" or getattr(item, "originalname", item.name) in names:
             item.add_marker(pytest.mark.slow)
     cache = getattr(config, "cache", None)  # absent under -p no:cacheprovider
-    last = cache.get(DURATIONS_KEY, None) if cache else None
-    if last:
-        items.sort(key=lambda item: -last.get(item.path.name, 0.0))
-        return
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.path.name] = slow.get(item.path.name, 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path.name])
+    last = (cache.get(DURATIONS_KEY, None) if cache else None) or json.loads(DURATIONS_FILE.read_text())
+    items.sort(key=lambda item: -last.get(item.path.name, 0.0))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
