@@ -10,11 +10,12 @@ import sys
 
 
 def test_the_interpreters_own_shutdown_steps_exist():
-    # stages/lib/warm.py, a warm stage's end: what a normal exit calls, without unwinding.
+    # stages/lib/cli.py exit_now and a warm stage's end (stages/lib/warm.py): what a normal
+    # exit calls, before skipping the teardown.
     import atexit
     import threading
 
-    assert sys.version_info[:2] == (3, 11), "checked on CPython 3.11: recheck the warm child's end"
+    assert sys.version_info[:2] == (3, 11), "checked on CPython 3.11: recheck exit_now's names"
     assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)
 
 

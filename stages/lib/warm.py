@@ -500,9 +500,8 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    # What a normal exit does that matters, in its order: wait for threads, run the exit
-    # handlers (logging, multiprocessing, MLflow's queue), flush; then end without unwinding
-    # the warm process's frames, which the fork left in this child. No public call does it.
+    # The interpreter's own shutdown steps that matter (stages.lib.cli.exit_now says why), and
+    # no unwinding of the warm process's frames, which the fork left in this child.
     threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
     atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
     for stream in (sys.stdout, sys.stderr):
