@@ -475,6 +475,42 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     assert use_dvc_remote(tmp_path / "clone", shared) and has_dvc_remote(tmp_path / "clone")
 
 
+def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path):
+    """A dataset folder `dvc add`ed, prepared and pushed: a worker's clone runs the trial's
+    command and gets data/prepared for train, never the source images (which a large dataset
+    would have each worker download beside its shards)."""
+    from stages.sweep.worker import trial_argv
+
+    repo = tmp_path / "repo"
+    run(["git", "init", "-q", str(repo)], tmp_path)
+    run(["dvc", "init", "-q"], repo)
+    (repo / "raw").mkdir()
+    (repo / "raw/0.jpg").write_bytes(b"the source image")
+    (repo / "params.yaml").write_text("lr: 0.1\n")
+    (repo / "dvc.yaml").write_text(
+        "stages:\n"
+        "  prepare: {cmd: mkdir -p prepared && tac raw/0.jpg > prepared/shard.tar && echo >>"
+        " prepared/shard.tar, deps: [raw], outs: [prepared]}\n"
+        "  train: {cmd: cat prepared/shard.tar params.yaml > model.pt, deps: [prepared],"
+        " params: [lr], outs: [model.pt]}\n")
+    run(["dvc", "add", "-q", "raw"], repo)
+    run(["dvc", "remote", "add", "-d", "store", "../store"], repo)
+    run(["dvc", "repro", "-q"], repo)
+    run(["dvc", "push", "-q"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "a prepared dataset"], repo)
+    clone = tmp_path / "clone"
+    run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
+
+    subprocess.run(trial_argv("lr-0", ["lr=0.01"], "train", dvc_remote=True), cwd=clone,
+                   check=True, capture_output=True)
+    assert (clone / "model.pt").read_bytes() == b"the source image\nlr: 0.01\n"
+    source = hashlib.md5(b"the source image").hexdigest()
+    assert not (clone / "raw").exists()
+    assert not (clone / ".dvc/cache/files/md5" / source[:2] / source[2:]).exists()
+    assert (tmp_path / "store/files/md5" / source[:2] / source[2:]).exists()  # on the remote
+
+
 def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(tmp_path, s3,  # noqa: F811
                                                                                 monkeypatch):
     """An S3 remote added --local: the study carries its URL and endpoint but no key (the team's

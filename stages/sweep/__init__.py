@@ -9,7 +9,7 @@ holds everything a worker needs: the sweep file, the git remote and the pinned c
 checks the sweep file, creates the study with one waiting trial per slot, opens the MLflow
 parent run, starts the workers (local processes or a SLURM array) and prints a line per change.
 A worker clones the remote at the commit (one workspace runs one experiment at a time: DVC's
-lock), then claims waiting trials one by one: `dvc exp run --pull -n <study>-<n> -S ...`,
+lock), then claims waiting trials one by one: `dvc exp run --pull --allow-missing -n <study>-<n> -S ...`,
 `dvc exp push`, `make share`, the objective from the metrics file to the study. Its heartbeat
 marks it alive; a trial whose worker died is failed by the next worker that looks and queued
 again (Optuna's RetryHeartbeatStaleTrialCallback).

@@ -105,8 +105,7 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
     reset(clone, about["commit"])
     sets = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
             for k, v in {**spec["params"], **values}.items()]
-    argv = [dvc(), "exp", "run", *(["--pull"] if dvc_remote else []), "-n", name,
-            *[a for s in sets for a in ("-S", s)], spec["objective"]["stage"]]
+    argv = trial_argv(name, sets, spec["objective"]["stage"], dvc_remote)
     env = {**os.environ, STUDY_ENV: study.study_name, TRIAL_ENV: str(trial.number),
            tracking.PARENT_RUN_ENV: about.get("mlflow_parent_run") or ""}
     print(f"trial {trial.number}: {' '.join(argv[1:])}", flush=True)
@@ -140,6 +139,14 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
         return
     trial.set_user_attr("fail_reason", why)
     study.tell(trial, state=TrialState.FAIL)
+
+
+def trial_argv(name: str, sets: list[str], stage: str, dvc_remote: bool) -> list[str]:
+    """The trial's `dvc exp run`. --allow-missing: DVC pulls the deps of the stages that run
+    and nothing of those it skips, so a clone fetches data/prepared for train, not also the
+    dataset prepare made it from (without it, `--pull` fetches every stage's deps)."""
+    pull = ["--pull", "--allow-missing"] if dvc_remote else []
+    return [dvc(), "exp", "run", *pull, "-n", name, *[a for s in sets for a in ("-S", s)], stage]
 
 
 def reset(clone: Path, commit: str) -> None:
