@@ -128,6 +128,16 @@ def copy_repo(dest: Path, params_edit: dict[str, str] | None = None) -> Path:
     return dest
 
 
+def start_queue(repo: Path, env: dict, jobs: int) -> None:
+    """`dvc queue start`, returning as it does in a terminal. Its detached worker inherits the
+    command's stdout: through run()'s pipe, the call would last until the queue was done."""
+    log = repo.parent / f"{repo.name}-queue-start.log"
+    with open(log, "w") as out:
+        p = subprocess.run(["dvc", "queue", "start", "-j", str(jobs)], cwd=repo, env=env,
+                           stdout=out, stderr=subprocess.STDOUT, timeout=120)
+    assert p.returncode == 0, log.read_text()
+
+
 def wait_for_queue(repo: Path, env: dict, timeout: float = 900) -> str:
     """`dvc queue status` once nothing is queued or running (what `dvc queue start` began)."""
     import time

@@ -18,6 +18,7 @@ from tests.conftest import (
     rendered_dom,
     run,
     set_params,
+    start_queue,
     wait_for_queue,
 )
 
@@ -273,7 +274,7 @@ def test_queue_with_a_run_cache_hit_gives_each_experiment_its_own_run(repo):
     env = env_with()
     run(["dvc", "exp", "run", "--queue", "-S", "lr=0.02"], repo, env=env)
     run(["dvc", "exp", "run", "--queue", "-S", "eval.batch_size=128"], repo, env=env)
-    run(["dvc", "queue", "start", "-j", "2"], repo, env=env)
+    start_queue(repo, env, jobs=2)
     status = wait_for_queue(repo, env)
     assert status.count("Success") >= 2 and "Failed" not in status, status
     _, after = mlflow_runs(repo)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run, wait_for_queue
+from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run, start_queue, wait_for_queue
 from tests.support.services import (
     create_and_log,
     create_database,
@@ -354,7 +354,12 @@ def test_two_clones_run_their_queues_at_once(server, tmp_path, monkeypatch):
     for clone, lr in zip(clones, ("0.02", "0.03"), strict=True):
         run(["dvc", "exp", "run", "--queue", "-S", f"lr={lr}"], clone, env=env)
     for clone in clones:
-        run(["dvc", "queue", "start", "-j", "1"], clone, env=env)
+        start_queue(clone, env, jobs=1)
+    # At once: both started, neither done (a done experiment has its ref; the queue's are apart).
+    refs = [run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], c).stdout.split()
+            for c in clones]
+    assert not [r for rs in refs for r in rs if not r.startswith(("refs/exps/celery/",
+                                                                    "refs/exps/exec/"))], refs
     for clone in clones:
         status = wait_for_queue(clone, env)
         assert "Success" in status and "Failed" not in status, status
