@@ -480,11 +480,13 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     assert use_dvc_remote(tmp_path / "clone", shared) and has_dvc_remote(tmp_path / "clone")
 
 
-def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path):
-    """A dataset folder `dvc add`ed, prepared and pushed: a worker's clone runs the trial's
-    command and gets data/prepared for train, never the source images (which a large dataset
-    would have each worker download beside its shards)."""
-    from stages.sweep.worker import trial_argv
+@pytest.mark.parametrize("pushed", ["raw.dvc", "raw.dvc prepare"])
+def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path, pushed):
+    """A dataset folder `dvc add`ed and prepared: a worker's clone gets data/prepared for
+    train from the DVC remote, never the source images (which a large dataset would have each
+    worker download beside its shards). Where no one pushed data/prepared, the trial pulls the
+    folder and reruns prepare, as plain `--pull` did."""
+    from stages.sweep.worker import exp_run
 
     repo = tmp_path / "repo"
     run(["git", "init", "-q", str(repo)], tmp_path)
@@ -501,19 +503,22 @@ def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_pat
     run(["dvc", "add", "-q", "raw"], repo)
     run(["dvc", "remote", "add", "-d", "store", "../store"], repo)
     run(["dvc", "repro", "-q"], repo)
-    run(["dvc", "push", "-q"], repo)
+    run(["dvc", "push", "-q", *pushed.split()], repo)
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "a prepared dataset"], repo)
     clone = tmp_path / "clone"
     run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
 
-    subprocess.run(trial_argv("lr-0", ["lr=0.01"], "train", dvc_remote=True), cwd=clone,
-                   check=True, capture_output=True)
+    out = exp_run("trial 0", "lr-0", ["lr=0.01"], "train", clone, env_with(), dvc_remote=True)
+    assert out.returncode == 0, out.stdout
     assert (clone / "model.pt").read_bytes() == b"the source image\nlr: 0.01\n"
     source = hashlib.md5(b"the source image").hexdigest()
-    assert not (clone / "raw").exists()
-    assert not (clone / ".dvc/cache/files/md5" / source[:2] / source[2:]).exists()
-    assert (tmp_path / "store/files/md5" / source[:2] / source[2:]).exists()  # on the remote
+    in_cache = (clone / ".dvc/cache/files/md5" / source[:2] / source[2:]).exists()
+    if "prepare" in pushed:
+        assert not (clone / "raw").exists() and not in_cache, out.stdout
+        assert "Running stage 'prepare'" not in out.stdout
+    else:
+        assert "Running stage 'prepare'" in out.stdout and in_cache
 
 
 def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(tmp_path, s3,  # noqa: F811

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -105,12 +106,11 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
     reset(clone, about["commit"])
     sets = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
             for k, v in {**spec["params"], **values}.items()]
-    argv = trial_argv(name, sets, spec["objective"]["stage"], dvc_remote)
     env = {**os.environ, STUDY_ENV: study.study_name, TRIAL_ENV: str(trial.number),
            tracking.PARENT_RUN_ENV: about.get("mlflow_parent_run") or ""}
-    print(f"trial {trial.number}: {' '.join(argv[1:])}", flush=True)
     t0 = time.perf_counter()
-    out = logged(argv, clone, env)
+    out = exp_run(f"trial {trial.number}", name, sets, spec["objective"]["stage"], clone, env,
+                  dvc_remote)
     trial.set_user_attr("run_s", round(time.perf_counter() - t0, 1))
     if out.returncode != 0:
         # The train stage exits trial.PRUNED_EXIT, which DVC does not pass on: the stage
@@ -141,12 +141,25 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
     study.tell(trial, state=TrialState.FAIL)
 
 
-def trial_argv(name: str, sets: list[str], stage: str, dvc_remote: bool) -> list[str]:
-    """The trial's `dvc exp run`. --allow-missing: DVC pulls the deps of the stages that run
-    and nothing of those it skips, so a clone fetches data/prepared for train, not also the
-    dataset prepare made it from (without it, `--pull` fetches every stage's deps)."""
-    pull = ["--pull", "--allow-missing"] if dvc_remote else []
-    return [dvc(), "exp", "run", *pull, "-n", name, *[a for s in sets for a in ("-S", s)], stage]
+def exp_run(label: str, name: str, sets: list[str], stage: str, clone: Path, env: dict,
+            dvc_remote: bool) -> subprocess.CompletedProcess:
+    """The trial's `dvc exp run`. With a DVC remote, `--pull --allow-missing` first: DVC pulls
+    the deps of the stages that run and nothing of those it skips, so a clone fetches
+    data/prepared for train, not also the dataset folder prepare read. Where the remote lacks
+    what a skipped stage made (data/prepared never pushed), DVC stops before any stage runs;
+    then plain `--pull`, which fetches the folder and reruns prepare. That happens once a clone
+    at most: it keeps data/prepared for its next trials, and the trial's push shares it."""
+    for pull in (["--pull", "--allow-missing"], ["--pull"]) if dvc_remote else ([],):
+        argv = [dvc(), "exp", "run", *pull, "-n", name, *[a for s in sets for a in ("-S", s)],
+                stage]
+        print(f"{label}: {' '.join(argv[1:])}", flush=True)
+        out = logged(argv, clone, env)
+        if out.returncode == 0 or STARTED.search(out.stdout):
+            return out
+    return out
+
+
+STARTED = re.compile(r"^Running stage '|^Stage '.*' is cached", re.MULTILINE)
 
 
 def reset(clone: Path, commit: str) -> None:
