@@ -480,12 +480,14 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     assert use_dvc_remote(tmp_path / "clone", shared) and has_dvc_remote(tmp_path / "clone")
 
 
-@pytest.mark.parametrize("pushed", ["raw.dvc", "raw.dvc prepare"])
-def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path, pushed):
+@pytest.mark.parametrize("pushed, lr", [("raw.dvc prepare", "0.01"), ("raw.dvc", "0.01"),
+                                        ("raw.dvc prepare", "0.1")])
+def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path, pushed, lr):
     """A dataset folder `dvc add`ed and prepared: a worker's clone gets data/prepared for
     train from the DVC remote, never the source images (which a large dataset would have each
     worker download beside its shards). Where no one pushed data/prepared, the trial pulls the
-    folder and reruns prepare, as plain `--pull` did."""
+    folder and reruns prepare; at the commit's own point (lr 0.1), whose model no one pushed,
+    it trains: as plain `--pull` did."""
     from stages.sweep.worker import exp_run
 
     repo = tmp_path / "repo"
@@ -509,16 +511,19 @@ def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_pat
     clone = tmp_path / "clone"
     run(["git", "clone", "-q", str(repo), str(clone)], tmp_path)
 
-    out = exp_run("trial 0", "lr-0", ["lr=0.01"], "train", clone, env_with(), dvc_remote=True)
+    out = exp_run("trial 0", "lr-0", [f"lr={lr}"], "train", clone, env_with(), dvc_remote=True)
     assert out.returncode == 0, out.stdout
-    assert (clone / "model.pt").read_bytes() == b"the source image\nlr: 0.01\n"
+    assert (clone / "model.pt").read_bytes() == f"the source image\nlr: {lr}\n".encode()
+    assert run(["dvc", "exp", "list", "--name-only"], clone).stdout.split() == ["lr-0"]
     source = hashlib.md5(b"the source image").hexdigest()
     in_cache = (clone / ".dvc/cache/files/md5" / source[:2] / source[2:]).exists()
-    if "prepare" in pushed:
+    if pushed == "raw.dvc":
+        assert "Running stage 'prepare'" in out.stdout and in_cache
+    elif lr == "0.01":
         assert not (clone / "raw").exists() and not in_cache, out.stdout
         assert "Running stage 'prepare'" not in out.stdout
     else:
-        assert "Running stage 'prepare'" in out.stdout and in_cache
+        assert "Running stage 'train'" in out.stdout
 
 
 def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(tmp_path, s3,  # noqa: F811
