@@ -481,13 +481,13 @@ def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
 
 
 @pytest.mark.parametrize("pushed, lr", [("raw.dvc prepare", "0.01"), ("raw.dvc", "0.01"),
-                                        ("raw.dvc prepare", "0.1")])
+                                        ("raw.dvc prepare", "0.1"), ("raw.dvc prepare train", "0.1")])
 def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_path, pushed, lr):
     """A dataset folder `dvc add`ed and prepared: a worker's clone gets data/prepared for
     train from the DVC remote, never the source images (which a large dataset would have each
     worker download beside its shards). Where no one pushed data/prepared, the trial pulls the
-    folder and reruns prepare; at the commit's own point (lr 0.1), whose model no one pushed,
-    it trains: as plain `--pull` did."""
+    folder and reruns prepare; at the commit's own point (lr 0.1) it pulls the commit's model,
+    or trains where no one pushed it: as plain `--pull` did."""
     from stages.sweep.worker import exp_run
 
     repo = tmp_path / "repo"
@@ -517,13 +517,12 @@ def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_pat
     assert run(["dvc", "exp", "list", "--name-only"], clone).stdout.split() == ["lr-0"]
     source = hashlib.md5(b"the source image").hexdigest()
     in_cache = (clone / ".dvc/cache/files/md5" / source[:2] / source[2:]).exists()
-    if pushed == "raw.dvc":
-        assert "Running stage 'prepare'" in out.stdout and in_cache
-    elif lr == "0.01":
-        assert not (clone / "raw").exists() and not in_cache, out.stdout
-        assert "Running stage 'prepare'" not in out.stdout
-    else:
-        assert "Running stage 'train'" in out.stdout
+    assert ("Running stage 'prepare'" in out.stdout) == (pushed == "raw.dvc"), out.stdout
+    # Trained unless the commit's model was there to pull.
+    assert ("Running stage 'train'" in out.stdout) == ("train" not in pushed), out.stdout
+    # The folder came where prepare reran, and for the commit's unpushed model (plain --pull).
+    fetched = pushed == "raw.dvc" or (lr == "0.1" and "train" not in pushed)
+    assert (clone / "raw").exists() == in_cache == fetched, out.stdout
 
 
 def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(tmp_path, s3,  # noqa: F811

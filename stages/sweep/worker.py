@@ -144,13 +144,12 @@ def exp_run(label: str, name: str, sets: list[str], stage: str, clone: Path, env
             dvc_remote: bool) -> subprocess.CompletedProcess:
     """The trial's `dvc exp run`. With a DVC remote, `--pull --allow-missing` first: DVC pulls
     the deps of the stages that run and nothing of those it skips, so a clone fetches
-    data/prepared for train, not also the dataset folder an unchanged prepare read. Then plain
-    `--pull` where that went wrong: where the remote lacks what a skipped stage made
-    (data/prepared never pushed), DVC cannot check out the running stage's dep, and says so;
-    where the trial's point is the commit's own, DVC skips `stage` too, without its outputs,
-    which may be on no remote. Plain `--pull` restores them or trains, and fetches the folder
-    and reruns prepare where it must: once a clone at most, as the clone keeps data/prepared
-    and the trial's push shares it."""
+    data/prepared for train, not also the dataset folder an unchanged prepare read. Where the
+    trial's point is the commit's own, DVC skips `stage` too, without its outputs: they are
+    pulled. Plain `--pull` where that fails, or where the remote lacks what a skipped stage
+    made (data/prepared never pushed: DVC cannot check out the running stage's dep, and says
+    so); it fetches the folder and reruns prepare, or trains, where it must. Once a clone at
+    most: the clone keeps data/prepared, and the trial's push shares it."""
     for pull in (["--pull", "--allow-missing"], ["--pull"]) if dvc_remote else ([],):
         argv = [dvc(), "exp", "run", *pull, "-n", name, *[a for s in sets for a in ("-S", s)],
                 stage]
@@ -158,12 +157,15 @@ def exp_run(label: str, name: str, sets: list[str], stage: str, clone: Path, env
         out = logged(argv, clone, env)
         if "--allow-missing" not in pull:
             return out
-        if out.returncode == 0 and all((clone / path).exists() for path in outputs(clone, stage)):
+        if out.returncode:
+            if "Checkout failed for following targets" not in out.stdout:
+                return out
+            continue
+        if all((clone / path).exists() for path in outputs(clone, stage)):
             return out
-        if out.returncode == 0:  # an experiment without the outputs: its name is taken
-            logged([dvc(), "exp", "remove", name], clone, env)
-        elif "Checkout failed for following targets" not in out.stdout:
+        if logged([dvc(), "pull", stage], clone, env).returncode == 0:
             return out
+        logged([dvc(), "exp", "remove", name], clone, env)  # the experiment took its name
     return out
 
 
