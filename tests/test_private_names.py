@@ -43,24 +43,8 @@ def test_the_heavy_modules_looked_up_by_name_exist():
 
 
 def test_the_modules_the_warm_process_preloads_exist():
-    # stages/lib/warm.py PRELOAD, torch._dynamo among them (private): one that moved would end
-    # every warm start in an ImportError.
-    import torch
-
+    # stages/lib/warm.py PRELOAD: one that moved would end every warm start in an ImportError.
     from stages.lib.warm import PRELOAD
 
-    assert torch.__version__.split("+")[0] == "2.14.1", \
-        "checked on torch 2.14.1: recheck torch._dynamo in warm.PRELOAD"
     for name in PRELOAD:
         assert importlib.util.find_spec(name) is not None, f"{name} is gone: update PRELOAD"
-
-
-def test_torch_compiles_debug_folder_is_found_again():
-    # stages/lib/warm.py stage(): the debug folder torch._dynamo.config derived from the warm
-    # process's working folder as it loaded, found again from the caller's.
-    import torch
-    import torch._dynamo.config as dynamo
-
-    assert torch.__version__.split("+")[0] == "2.14.1", \
-        "checked on torch 2.14.1: recheck debug_dir_root in warm.stage"
-    assert isinstance(dynamo.debug_dir_root, str) and callable(dynamo.default_debug_dir_root)

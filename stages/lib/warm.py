@@ -52,14 +52,12 @@ from pathlib import Path
 # The pipeline's stages; `python -m stages.predict` and the team's tools always run cold.
 STAGES = {f"stages.{s}" for s in ("params", "prepare", "train", "evaluate", "export")}
 # What the stages import that costs seconds: torch, MLflow with its sqlite store and pyfunc
-# flavour, torch's compiler (AdamW's first step, torch.export) and the ONNX exporter with its
-# op library, the stratified split's scikit-learn. Not matplotlib (0.3 s): its import reads
-# ./matplotlibrc and the user's, which must be the caller's folder and HOME, not this one's.
-# `torch._dynamo` is private (checked on torch 2.14.1, pinned by tests/test_private_names.py):
-# AdamW's first step imports it (1.1 s), and no public module does. Its public route,
-# `torch.compiler.reset()`, also sets TORCHINDUCTOR_CACHE_DIR, which a cold stage leaves unset
-# (tests/test_warm.py caught it).
-PRELOAD = ("numpy", "torch", "omegaconf", "torch._dynamo", "torch.export", "torch.onnx",
+# flavour, torch.export and the ONNX exporter with its op library, the stratified split's
+# scikit-learn. Not matplotlib (0.3 s): its import reads ./matplotlibrc and the user's, which
+# must be the caller's folder and HOME, not this one's. Not torch's compiler either: only a
+# private module loads it, and its config derives a debug folder from the working folder;
+# AdamW's first step imports it in the child (1.1 s).
+PRELOAD = ("numpy", "torch", "omegaconf", "torch.export", "torch.onnx",
            "onnxscript", "onnxscript.function_libs.torch_lib.ops", "mlflow", "mlflow.pyfunc",
            "mlflow.store.tracking.sqlalchemy_store", "sklearn.model_selection",
            "safetensors.torch")
@@ -471,13 +469,6 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     callers_tmp = tempfile.gettempdir()
     for k, v in set_by_imports.items():
         os.environ.setdefault(k, v.replace(tmp, callers_tmp))
-    # What an import derived from the working folder, from the caller's as cold: torch
-    # compile's debug folder (TORCH_COMPILE_DEBUG), the one such value among PRELOAD's imports
-    # (private: tests/test_private_names.py pins it). The warm process runs in /.
-    dynamo = sys.modules.get("torch._dynamo.config")
-    if dynamo is not None:
-        root = dynamo.default_debug_dir_root()  # private, pinned: test_private_names.py
-        dynamo.debug_dir_root = root
     sys.path[:] = request["path"]
     sys.argv[:] = ["-m", *request["argv"]]
     for sig in SIGNALS:  # as the caller had them: Python's Ctrl-C, or ignored (`nohup`, `&`)
@@ -509,7 +500,9 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    # The interpreter's own shutdown steps that matter (stages.lib.cli.exit_now says why).
+    # What a normal exit does that matters, in its order: wait for threads, run the exit
+    # handlers (logging, multiprocessing, MLflow's queue), flush; then end without unwinding
+    # the warm process's frames, which the fork left in this child. No public call does it.
     threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
     atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
     for stream in (sys.stdout, sys.stderr):
