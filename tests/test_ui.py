@@ -89,6 +89,8 @@ def test_make_killed_ends_the_server_it_started(tmp_path):
                 break
         everything = psutil.Process(proc.pid).children(recursive=True)
         assert len(everything) >= 2, everything  # stages.team.ui and the MLflow server, at least
+        # Not MLflow's job runner and its seven consumers, which double a start's CPU.
+        assert not [p for p in everything if "mlflow.server.jobs" in " ".join(p.cmdline())]
         proc.kill()  # make alone, as `kill -9` on its pid: stages.team.ui's parent is gone
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(everything, timeout=60)

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     # The store in the environment, not on the command line: `ps` shows a database password
     # there to every user. (PYTHONWARNINGS: Starlette's, not ours.)
     env = dict(os.environ, PYTHONWARNINGS="ignore::DeprecationWarning", MLFLOW_BACKEND_STORE_URI=uri)
+    # MLflow's job runner (GenAI scorers, trace archival): seven more processes, twice the CPU
+    # of a start (10 s more here), that the runs table never uses; set it to true to keep it.
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(args.port),
            "--allowed-hosts", hosts, "--workers", "1"]
     # No address yet: one printed before the server answers is one a user opens too early.
