@@ -5,12 +5,16 @@ checkpoints, weights, runtime, report, distributed). The team's tools live in pa
 tracking, sweep, serving, team, bench, and lib for plumbing that knows no params schema.
 """
 
+import atexit
 import sys
 
-# `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which has
-# torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.
-if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv \
-        and sys.orig_argv[sys.orig_argv.index("-m") + 1].count(".") == 1:
-    from stages.lib.warm import hand_off
+if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:  # `python -m stages.<module>`
+    from stages.lib import warm
 
-    hand_off(sys.orig_argv[sys.orig_argv.index("-m") + 1])
+    # Before any library registers its own: the exit handler that runs last (stages.lib.cli
+    # exit_now says why).
+    atexit.register(warm.end_finished)
+    # `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which
+    # has torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.
+    if sys.orig_argv[sys.orig_argv.index("-m") + 1].count(".") == 1:
+        warm.hand_off(sys.orig_argv[sys.orig_argv.index("-m") + 1])

@@ -183,7 +183,8 @@ def test_defaults_agree_in_the_schema_params_yaml_and_the_readme(tmp_path):
 def test_a_finished_stage_exits_without_losing_anything(tmp_path):
     """run_stage skips the interpreter's teardown: a thread still writing, an exit handler and
     unflushed output must all come out as on a normal exit, with exit status 0, and an idle
-    thread pool (MLflow's, Inductor's) must not keep it waiting."""
+    thread pool (MLflow's, Inductor's) must not keep it waiting. The teardown itself (an
+    object's finalizer as the modules are freed) never runs."""
     import os
     import subprocess
     import sys
@@ -193,9 +194,17 @@ def test_a_finished_stage_exits_without_losing_anything(tmp_path):
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from stages.lib import warm
 from stages.lib.cli import run_stage
+atexit.register(warm.end_finished)  # as stages/__init__.py does for `python -m stages.<module>`
 out = Path({str(tmp_path)!r})
 pool = ThreadPoolExecutor(1)
+
+class Teardown:
+    def __del__(self):
+        (out / "teardown.txt").write_text("freed")
+
+kept = Teardown()
 
 def late_writer():
     time.sleep(0.5)
@@ -220,6 +229,7 @@ raise SystemExit("run_stage returned: the stage did not exit")
     assert done.stderr.endswith("to stderr")
     assert (tmp_path / "thread.txt").read_text() == "written"
     assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert not (tmp_path / "teardown.txt").exists()
 
 
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(

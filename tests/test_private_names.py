@@ -6,16 +6,6 @@ fails on another one until someone checks the name there and moves the pin."""
 from __future__ import annotations
 
 import importlib.util
-import sys
-
-
-def test_the_interpreters_own_shutdown_steps_exist():
-    # stages/lib/cli.py exit_now: what a normal exit calls, before skipping the teardown.
-    import atexit
-    import threading
-
-    assert sys.version_info[:2] == (3, 11), "checked on CPython 3.11: recheck exit_now's names"
-    assert callable(threading._shutdown) and callable(atexit._run_exitfuncs)
 
 
 def test_the_model_files_dtype_codes_are_the_libraries_own():

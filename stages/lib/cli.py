@@ -8,14 +8,12 @@ an error message or a CLI helper reruns nothing (tests/test_dvc_yaml.py keeps it
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 import typing
 from collections.abc import Callable, Iterator
@@ -131,24 +129,12 @@ def stdout_gone() -> bool:
 def exit_now() -> typing.NoReturn:
     """End a finished stage without the interpreter's teardown, which spends 1-2 s per stage
     freeing torch's and MLflow's thousands of modules and writes nothing: every output is
-    already closed and renamed. What a normal exit does that matters is done first, in its
-    order: wait for threads, run the exit handlers (logging, multiprocessing, MLflow's queue),
-    flush stdout and stderr. Both steps call what the interpreter's own shutdown calls (private,
-    with no public equivalent, checked on CPython 3.11): its threading step also stops idle
-    thread pools, which a plain join of every thread would wait on forever. Pinned by
-    tests/test_private_names.py."""
-    threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
-    atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
-    code = 0
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:  # None: started with the stream closed
-                stream.flush()
-        except BrokenPipeError:
-            code = 120  # what the interpreter returns when its final flush fails
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    already closed and renamed. A normal exit first (threads joined, the exit handlers run:
+    logging, multiprocessing, MLflow's queue); the last handler then ends the process, where
+    `python -m stages.<module>` registered it (stages/__init__.py). Elsewhere a plain exit."""
+    from stages.lib.warm import finish
+
+    finish(0)
 
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)

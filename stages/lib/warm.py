@@ -47,6 +47,7 @@ import struct
 import subprocess
 import sysconfig
 import time
+import typing
 from pathlib import Path
 
 # The pipeline's stages; `python -m stages.predict` and the team's tools always run cold.
@@ -95,6 +96,38 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.
 # How often an idle warm process checks that the checkout it runs from is still there.
 TICK_S = 5.0
 HEADER = struct.Struct("!I")
+
+
+# A finished stage's exit status: set, the last exit handler ends the process with it.
+_finished: int | None = None
+
+
+def finish(code: int) -> typing.NoReturn:
+    """Exit with `code` as usual (threads joined, exit handlers run), then skip the teardown."""
+    global _finished
+    _finished = code
+    sys.exit(code)
+
+
+def end_finished() -> None:
+    """The first exit handler registered, so the last to run (atexit's order is last in, first
+    out): once a stage has finished, end the process here, before the interpreter frees its
+    modules. logging's handler runs after this one where logging was imported first: its
+    shutdown is called here."""
+    if _finished is None:
+        return
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    code = _finished
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:  # None: started with the stream closed
+                stream.flush()
+        except BrokenPipeError:
+            code = 120  # what the interpreter returns when its final flush fails
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def hand_off(module: str) -> None:
@@ -298,7 +331,7 @@ def serve(path: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return  # another caller started one first
-    started = time.monotonic()
+    started, owner = time.monotonic(), os.getpid()
     set_name("reprotrain-warm")
     # Stoppable, with its files, from the moment it is one: `make test` may stop it mid-import.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -349,19 +382,23 @@ def serve(path: Path) -> None:
                     signal.signal(sig, signal.SIG_DFL)
                 try:
                     run_for(conn, set_by_imports, str(own_tmp))
+                except SystemExit:
+                    if _finished is None:
+                        os._exit(1)
+                    raise  # the stage's process, done: out through the interpreter's exit
                 except BaseException:
                     sys.excepthook(*sys.exc_info())  # into the log
-                finally:
-                    os._exit(1)
+                os._exit(1)
             conn.close()
     finally:
         server.close()  # no caller connects to a process on its way out
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == mine:
-                path.unlink()
-        for suffix in (".seen", ".pid", ".lock"):  # the log stays: a line per start
-            path.with_suffix(suffix).unlink(missing_ok=True)
-        shutil.rmtree(own_tmp, ignore_errors=True)
+        if os.getpid() == owner:  # not a stage's process leaving through these frames
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == mine:
+                    path.unlink()
+            for suffix in (".seen", ".pid", ".lock"):  # the log stays: a line per start
+                path.with_suffix(suffix).unlink(missing_ok=True)
+            shutil.rmtree(own_tmp, ignore_errors=True)
 
 
 def warm_up(own_tmp: Path) -> dict[str, str]:
@@ -439,19 +476,17 @@ def run_for(conn: socket.socket, set_by_imports: dict[str, str], tmp: str) -> No
 
 
 def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: str,
-          parent: int) -> None:
-    """The stage, as `python -m module` would run it in the caller's place; never returns."""
+          parent: int) -> typing.NoReturn:
+    """The stage, as `python -m module` would run it in the caller's place; ends in finish()."""
     import ctypes
 
     # Gone with the process that watches it for its caller, however that one ends.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
-    import atexit
     import random
     import runpy
     import tempfile
-    import threading
 
     set_name(request["module"])  # `stages.train` in `top` and `ps -e`, as far as 15 bytes go
     with contextlib.suppress(OSError):  # its own group: what it starts goes with it
@@ -500,17 +535,9 @@ def stage(request: dict, fds: list[int], set_by_imports: dict[str, str], tmp: st
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    # What a normal exit does that matters, in its order: wait for threads, run the exit
-    # handlers (logging, multiprocessing, MLflow's queue), flush; then end without unwinding
-    # the warm process's frames, which the fork left in this child. No public call does it.
-    threading._shutdown()  # private to CPython 3.11, no public equivalent: test_private_names.py
-    atexit._run_exitfuncs()  # private to CPython 3.11, no public equivalent: test_private_names.py
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code or 0)
+    # Out through the frames the fork left (serve cleans up in the warm process only) to the
+    # interpreter's exit, whose last handler, end_finished, skips the teardown.
+    finish(code or 0)
 
 
 def set_name(name: str) -> None:
@@ -522,4 +549,7 @@ def set_name(name: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    import atexit
+
+    atexit.register(end_finished)  # before the imports register theirs: it runs last
     serve(Path(sys.argv[2]))
