@@ -11,8 +11,8 @@ import sys
 if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:  # `python -m stages.<module>`
     from stages.lib import warm
 
-    # Before any library registers its own: the exit handler that runs last (stages.lib.cli
-    # exit_now says why).
+    # Before any library registers its own: the exit handler that runs last, which ends a
+    # finished stage without the interpreter's teardown (stages/lib/warm.py finish).
     atexit.register(warm.end_finished)
     # `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which
     # has torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.

@@ -161,7 +161,7 @@ def test_a_damaged_model_pt_fails_naming_it_and_logs_nothing(trained, tmp_path, 
 GIB = 1 << 30
 
 
-# predict, writing on its way out (atexit: also on `error:` and after exit_now) its own peak
+# predict, writing on its way out (atexit: also on `error:` and after a finished stage's exit) its own peak
 # RSS, VmHWM: getrusage's would count the forking test process's too.
 PEAK = ("import atexit, re, runpy, sys\n"
         "out = sys.argv.pop(1)\n"

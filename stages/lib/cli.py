@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stages.lib.errors import UserError
+from stages.lib.warm import finish, in_warm_child
 
 # Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
@@ -78,15 +79,15 @@ def run_stage(main: Callable[[], None]) -> None:
             raise
         sys.exit(f"error: {e.strerror}" + (f": {e.filename}" if e.filename else ""))
     if os.environ.get("REPROTRAIN_TIMINGS"):  # set by the pipeline bench, with the spawn time
-        from stages.lib.warm import in_warm_child
-
         record = {"stage": Path(sys.argv[0]).stem, "main_s": time.time() - entered,
                   "warm": in_warm_child(),
                   "startup_s": entered - float(os.environ.get("REPROTRAIN_T0", entered)),
                   **STAGE_TIMES, "imported": [m for m in HEAVY_IMPORTS if m in sys.modules]}
         with open(os.environ["REPROTRAIN_TIMINGS"], "a") as f:
             f.write(json.dumps(record) + "\n")
-    exit_now()
+    # Without the interpreter's teardown, which spends 1-2 s per stage freeing torch's and
+    # MLflow's modules and writes nothing: every output is already closed and renamed.
+    finish(0)
 
 
 def restat_stale_git_entries() -> None:
@@ -124,17 +125,6 @@ def stdout_gone() -> bool:
         return any(events & select.POLLERR for _, events in poll.poll(0))
     except (OSError, ValueError, AttributeError):  # no stdout, or not a file
         return False
-
-
-def exit_now() -> typing.NoReturn:
-    """End a finished stage without the interpreter's teardown, which spends 1-2 s per stage
-    freeing torch's and MLflow's thousands of modules and writes nothing: every output is
-    already closed and renamed. A normal exit first (threads joined, the exit handlers run:
-    logging, multiprocessing, MLflow's queue); the last handler then ends the process, where
-    `python -m stages.<module>` registered it (stages/__init__.py). Elsewhere a plain exit."""
-    from stages.lib.warm import finish
-
-    finish(0)
 
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
