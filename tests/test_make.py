@@ -71,6 +71,41 @@ def workspace_state(repo: Path) -> dict:
             "cache": sorted(p.name for p in (repo / ".dvc/cache").rglob("*") if p.is_file())}
 
 
+def test_make_share_sends_every_runs_outputs_not_only_the_workspaces(tmp_path):
+    """Every run-cache entry `make share` sends comes with what it names, folders too: a clone
+    asking for params this machine ran before the workspace's last run restores that run,
+    running nothing (it used to send only the workspace's folders; the clone reran the stage
+    after DVC's "Some of the cache files do not exist neither locally nor on remote")."""
+    w = tmp_path / "w"
+    w.mkdir()
+    for name in ("Makefile", "requirements.lock"):
+        shutil.copy2(ROOT / name, w / name)
+    shutil.copytree(ROOT / "stages", w / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    run(["git", "init", "-q", "-b", "main"], w)
+    run(["dvc", "init", "-q"], w)
+    (w / "params.yaml").write_text("n: 1\n")
+    (w / "dvc.yaml").write_text(
+        "stages:\n  count:\n    cmd: mkdir -p out && seq ${n} > out/seq.txt && echo ${n} > n.txt\n"
+        "    params: [n]\n    outs: [out, n.txt]\n")
+    run(["dvc", "repro", "-q"], w)
+    run(["git", "add", "-A"], w)
+    run(["git", "commit", "-qm", "n=1"], w)
+    for n in ("2", "3"):  # experiments, each applied to the workspace as it ends
+        run(["dvc", "exp", "run", "-q", "-S", f"n={n}"], w)
+    run(["dvc", "remote", "add", "-d", "team", str(tmp_path / "remote")], w)
+    run(["git", "commit", "-qam", "a remote"], w)
+    p = make(w, "share")
+    assert p.returncode == 0 and "WARNING" not in p.stderr, p.stdout + p.stderr
+
+    c = tmp_path / "clone"
+    run(["git", "clone", "-q", str(w), str(c)], tmp_path)
+    for n in ("1", "2", "3"):
+        p = run(["dvc", "exp", "run", "--pull", "-S", f"n={n}"], c)
+        assert "Running stage 'count'" not in p.stdout and "WARNING" not in p.stderr, \
+            p.stdout + p.stderr
+        assert (c / "out/seq.txt").read_text().split() == [str(i) for i in range(1, int(n) + 1)]
+
+
 @pytest.mark.parametrize("remote, expected", [
     (None, "error: no DVC remote to share to: add one with `dvc remote add -d NAME URL`"),
     ("s3://bucket/x", "error: the DVC remote 'r' (s3://bucket/x) needs credentials and this "

@@ -8,6 +8,7 @@ machine then finds the entry, misses those files and reruns the stage. This push
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import re
@@ -227,14 +228,19 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
     from dvc.exceptions import UploadError
     from dvc.stage.cache import RunCacheNotSupported
     from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.tree import Tree
 
     repo.push()
     runs = repo.cache.legacy.fs.join(repo.cache.legacy.path, "runs")
     outs = [out for entry in repo.cache.legacy.fs.find(runs)
             for out in (YAML(typ="safe").load(repo.cache.legacy.fs.read_text(entry)) or {})
             .get("outs", [])]
-    objects = {HashInfo(out.get("hash", "md5"), out["md5"]) for out in outs
-               if "md5" in out and not out["md5"].endswith(".dir")}  # dirs: pushed above
+    # `repo.push()` sent the workspace's outputs only: the other runs' go here, a folder as its
+    # files and its `.dir` (which DVC sends last). One gone from this cache: DVC warns.
+    objects = {HashInfo(out.get("hash", "md5"), out["md5"]) for out in outs if "md5" in out}
+    for folder in [oid for oid in objects if oid.isdir]:
+        with contextlib.suppress(FileNotFoundError):
+            objects.update(oid for _, _, oid in Tree.load(repo.cache.local, folder))
     result = repo.cloud.push(objects)
     if result.failed:
         raise UploadError(len(result.failed))
@@ -246,7 +252,7 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
     if sum(r.levelno >= logging.ERROR for r in problems) > errors:
         raise UploadError(sum(r.levelno >= logging.ERROR for r in problems) - errors)
     return (f"pushed the run-cache ({len(entries)} entries) and {len(result.transferred)} more "
-            f"files it needs ({len(objects)} outputs named in it)")
+            f"files it needs ({len(objects)} files and folders named in it)")
 
 
 def unrestored(stage: str) -> str | None:
