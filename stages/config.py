@@ -330,12 +330,22 @@ def check_schema(raw: dict, schema: type, prefix: str = "") -> None:
                                   f"got {value!r}")
             check_schema(value, tp, f"{name}.")
         elif not _accepts(tp, value):
-            quoted = " (remove the quotes)" if isinstance(value, str) and tp in (int, float) else ""
+            quoted = " (remove the quotes)" if isinstance(value, str) and tp in (int, float) \
+                and _number(value, tp) else ""
             raise ParamsError(f"params.yaml: {name}={value!r} must be {_type_name(tp)}, "
                               f"not {type(value).__name__}{quoted}")
         elif isinstance(value, float) and not math.isfinite(value):
             # .inf passes every `>= 0` range check, then breaks the schedule or the loss later.
             raise ParamsError(f"params.yaml: {name}={value!r} must be a finite number")
+
+
+def _number(text: str, tp: type) -> bool:
+    """Whether `text` reads as a `tp`: then the value was a number in quotes."""
+    try:
+        tp(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -354,9 +364,10 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
             # "did you mean 'lr'?" already ends a sentence.
             end = " " if str(e).endswith("?") else ". "
-            raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: run "
-                              f"`git checkout -- {path}` to restore the committed values, then "
-                              "`dvc repro` the outputs DVC removed (from its run-cache)") from None
+            raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: set it "
+                              f"right there (or `git checkout -- {path}` for the committed "
+                              "values, which also drops an applied experiment's), then `dvc "
+                              "repro` the outputs DVC removed (from its run-cache)") from None
         raise
 
 

@@ -81,6 +81,13 @@ def test_bad_params_fail_naming_the_key(tmp_path, text, expected):
     assert "params.yaml" in str(err.value)
 
 
+def test_only_a_quoted_number_is_told_to_lose_its_quotes(tmp_path):
+    # `-S epochs=abc` writes `epochs: abc`: no quotes anywhere to remove.
+    with pytest.raises(ParamsError) as err:
+        load_params(write(tmp_path, "epochs: abc\n"))
+    assert str(err.value) == "params.yaml: epochs='abc' must be int, not str"
+
+
 def test_union_fields_accept_each_form(tmp_path):
     p = load_params(write(tmp_path, "train:\n  compile: reduce-overhead\n  num_workers: 3\n"))
     assert p.train.compile == "reduce-overhead" and p.train.num_workers == 3
@@ -393,7 +400,7 @@ def test_the_advice_after_a_refused_exp_run_restores_params_yaml(tmp_path):
     p = run(["dvc", "exp", "run", "-S", "train.precision=fp12"], repo, check=False)
     assert p.returncode != 0
     assert "precision: fp12" in (repo / "params.yaml").read_text()
-    advice = re.search(r"run `([^`]+)` to restore", p.stdout + p.stderr)
+    advice = re.search(r"or `([^`]+)` for the committed values", p.stdout + p.stderr)
     assert advice, p.stdout + p.stderr
     run(["bash", "-c", advice.group(1)], repo)  # exactly as printed
     assert (repo / "params.yaml").read_text() == committed

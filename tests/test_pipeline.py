@@ -196,7 +196,7 @@ def test_a_refused_value_names_it_and_says_how_to_restore_params_yaml(repo):
     p = run(["dvc", "exp", "run", "-S", "lr='1e-3'"], repo, env=env_with(), check=False)
     assert p.returncode != 0
     assert "lr='1e-3'" in p.stderr, p.stderr
-    restore = re.search(r"run `(git checkout [^`]+)` to restore", p.stderr)[1]
+    restore = re.search(r"or `(git checkout [^`]+)` for the committed values", p.stderr)[1]
     run(["bash", "-c", restore], repo)  # exactly as the message says
     assert (repo / "params.yaml").read_bytes() == run(["git", "show", "HEAD:params.yaml"],
                                                       repo).stdout.encode()
