@@ -83,3 +83,21 @@ def test_the_served_models_code_copy_is_what_it_imports():
     packages = {"__init__.py", "lib/__init__.py", "serving/__init__.py"}
     assert set(PACKAGE) == {f"{m}.py" for m in needed - {"serving/served_model"}} | packages | \
         {"models.py", "sources.py"}
+
+
+def test_every_test_the_docs_name_exists():
+    """docs/guarantees.md and docs/code-map.md name the test that keeps each promise
+    (`test_x.py::test_y`, or `::test_z` for another of the same file): a renamed or deleted
+    test would leave a row that nothing keeps."""
+    for doc in ("docs/guarantees.md", "docs/code-map.md"):
+        named, file = 0, None
+        for ref in re.findall(r"`((?:test_\w+\.py)?(?:::\w+)?)`", (ROOT / doc).read_text()):
+            head, _, name = ref.partition("::")
+            file = head or file
+            assert (ROOT / "tests" / file).exists(), f"{doc}: no tests/{file}"
+            if name:
+                tree = ast.parse((ROOT / "tests" / file).read_text())
+                assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, \
+                    f"{doc}: no {name} in tests/{file}"
+                named += 1
+        assert named >= (150 if doc.endswith("guarantees.md") else 1), (doc, named)
