@@ -364,8 +364,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         if os.environ.get("DVC_EXP_NAME") and Path.cwd().resolve() == repo_root():
             # "did you mean 'lr'?" already ends a sentence.
             end = " " if str(e).endswith("?") else ". "
-            raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: set it "
-                              f"right there (or `git checkout -- {path}` for the committed "
+            raise ParamsError(f"{e}{end}`dvc exp run -S` wrote this value into {path}: correct "
+                              f"or remove that line (or `git checkout -- {path}` for the committed "
                               "values, which also drops an applied experiment's), then `dvc "
                               "repro` the outputs DVC removed (from its run-cache)") from None
         raise
