@@ -295,6 +295,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_make_exps_keeps_earlier_commits_experiments_and_shows_no_hashes",
         "test_make_refuses_a_wrong_python_and_never_reuses_its_venv",
         "test_make_repro_says_when_the_model_was_made_under_another_thread_count",
+        "test_make_share_sends_every_runs_outputs_not_only_the_workspaces",
         "test_make_share_without_a_usable_remote_is_one_line",
         "test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back",
         "test_setup_says_what_pip_does_through_its_silences",
