@@ -447,11 +447,19 @@ def test_the_trials_table_shows_the_objective_s_whole_name():
         study.add_trial(optuna.trial.create_trial(
             params={"lr": lr}, distributions={"lr": FloatDistribution(1e-4, 0.1, log=True)},
             value=loss, user_attrs={"retrained": True, "run_s": 40.0}))
-    spec = {"objective": {"metric": "best_val_loss", "direction": "minimize"}}
+    # A pruned trial's value is the epoch's val_loss the pruner judged, which can look better
+    # than a complete trial's best: it goes in the note, not under the objective's name.
+    study.add_trial(optuna.trial.create_trial(
+        params={"lr": 0.01}, distributions={"lr": FloatDistribution(1e-4, 0.1, log=True)},
+        value=0.0199, state=optuna.trial.TrialState.PRUNED,
+        user_attrs={"pruned_at_epoch": 9, "run_s": 30.0}))
+    spec = {"objective": {"metric": "best_val_loss", "direction": "minimize",
+                          "per_epoch": "val_loss"}}
     header, *rows = summary(study, spec).splitlines()[1:]
     assert "best_val_loss" in header.split(), header
     end = header.index("best_val_loss") + len("best_val_loss")
-    assert [row[:end].rstrip()[-6:] for row in rows] == ["0.0213", "0.0871"], (header, rows)
+    assert [row[:end].split()[-1] for row in rows] == ["0.0213", "0.0871", "-"], (header, rows)
+    assert rows[2].endswith("pruned after epoch 9 (val_loss 0.0199 then)"), rows[2]
 
 
 def test_the_shipped_sweeps_rank_by_validation_loss():
@@ -588,7 +596,12 @@ def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_c
     then makes a folder the workspace's default with `dvc remote add -d --local`. The workers'
     clones kept the committed S3 default, without keys, and every trial failed `Unable to locate
     credentials`: they use the remote the workspace uses."""
-    from stages.sweep.worker import dvc_remote_keys, shared_dvc_remote, use_dvc_remote
+    from stages.sweep.worker import (
+        dvc_remote_keys,
+        remote_for_clones,
+        shared_dvc_remote,
+        use_dvc_remote,
+    )
 
     repo = tmp_path / "repo"
     run(["git", "init", "-q", str(repo)], tmp_path)
@@ -612,9 +625,17 @@ def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_c
     pulled = run(["dvc", "pull"], clone, env=s3_client_env(tmp_path), check=False)
     assert pulled.returncode == 0, pulled.stdout + pulled.stderr
     assert (clone / "data.txt").read_text() == "what a trial needs\n"
+    # The sweep's last line, which restores the best trial on another machine, gives that
+    # machine's clone the same remote first (its `dvc pull` went to the committed one).
+    reader = tmp_path / "reader"
+    run(["git", "clone", "-q", str(repo), str(reader)], tmp_path)
+    run(["bash", "-ec", remote_for_clones(repo) + "dvc pull -q"], reader,
+        env=s3_client_env(tmp_path))
+    assert (reader / "data.txt").read_text() == "what a trial needs\n"
 
     # Where the workspace uses the committed default, the clone keeps its own (every option).
     run(["dvc", "remote", "default", "--local", "--unset"], repo)
+    assert remote_for_clones(repo) == ""
     again = tmp_path / "again"
     run(["git", "clone", "-q", str(repo), str(again)], tmp_path)
     assert use_dvc_remote(again, shared_dvc_remote(repo))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stages.sweep.spec import SweepError, is_finite
 from stages.sweep.study import reach_storage, shown, storage_uri
-from stages.sweep.worker import dvc, has_dvc_remote, last_error
+from stages.sweep.worker import dvc, has_dvc_remote, last_error, remote_for_clones
 
 
 def status(study_name: str, workdir: Path) -> None:
@@ -64,13 +64,15 @@ def summary(study, spec: dict) -> str:
             note = "trained" if t.user_attrs.get("retrained") else "restored from the run-cache"
         elif t.state.name == "PRUNED":
             note = f"pruned after epoch {t.user_attrs.get('pruned_at_epoch')}"
+            if t.value is not None:  # the epoch's figure the pruner judged, not the objective
+                note += f" ({spec['objective']['per_epoch']} {t.value:.4f} then)"
         elif t.state.name == "FAIL":
             note = failure(t)
             if t.number in retried_as:
                 note += f"; retried as trial {retried_as[t.number]}"
         else:
             note = t.state.name.lower()
-        value = f"{t.value:.4f}" if t.value is not None else "-"
+        value = f"{t.value:.4f}" if t.value is not None and t.state.name != "PRUNED" else "-"
         secs = t.user_attrs.get("run_s")
         rows.append(f"  {t.number:>3} {t.state.name:<8} {value:>{width}} {fmt(t.params):<28} "
                     f"{f'{secs:.0f}s' if secs else '':>5} {note}")
@@ -223,5 +225,5 @@ def pull(study, spec: dict) -> None:
         # are the sweep commit's, whose outputs the remote may not hold (`dvc exp apply` fails).
         best = study.best_trial.user_attrs["dvc_exp"]
         print(f"best: {best}; its outputs on another machine, without training, in a clone of "
-              f"{remote}: dvc exp pull origin {best} && dvc exp branch {best} {best} && "
-              f"git checkout {best} && dvc pull {obj['stage']}")
+              f"{remote}: {remote_for_clones(Path.cwd())}dvc exp pull origin {best} && dvc exp "
+              f"branch {best} {best} && git checkout {best} && dvc pull {obj['stage']}")

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -266,6 +267,27 @@ def shared_dvc_remote(repo: Path) -> dict[str, str]:
               "workers get no DVC remote from here; commit a remote without it", file=sys.stderr)
         return {}
     return shared_options(conf)
+
+
+def remote_for_clones(repo: Path) -> str:
+    """The commands that give a clone of `repo` its default DVC remote where git does not carry
+    it (`dvc remote add -d --local`, alone or over a committed default), ending in ` && `; empty
+    where the committed default is that remote, or where its URL holds a password."""
+    from dvc.repo import Repo
+
+    from stages.lib.redact import holds_credentials
+
+    def default(config: dict) -> dict[str, str]:
+        name = config.get("core", {}).get("remote") or ""
+        return shared_options(dict(config.get("remote", {}).get(name, {}))) if name else {}
+
+    with Repo(str(repo)) as r:
+        ours, theirs = default(r.config), default(r.config.load_config_to_level("local"))
+    if not ours.get("url") or ours == theirs or holds_credentials(ours["url"]):
+        return ""
+    steps = [f"dvc remote add -d --local sweep {shlex.quote(ours.pop('url'))}"]
+    steps += [f"dvc remote modify --local sweep {k} {shlex.quote(v)}" for k, v in ours.items()]
+    return " && ".join(steps) + " && "
 
 
 def shared_options(conf: dict) -> dict[str, str]:
