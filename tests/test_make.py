@@ -96,6 +96,10 @@ def test_make_share_sends_every_runs_outputs_not_only_the_workspaces(tmp_path):
     run(["git", "commit", "-qam", "a remote"], w)
     p = make(w, "share")
     assert p.returncode == 0 and "WARNING" not in p.stderr, p.stdout + p.stderr
+    # n=3's n.txt, out/seq.txt and out's .dir; then n=1's and n=2's, less n=1's seq.txt
+    # (the bytes of its n.txt, sent already).
+    assert "pushed 3 files of the workspace's data and outputs, then the run-cache (3 entries) " \
+           "and 5 more files it names" in p.stdout, p.stdout
 
     c = tmp_path / "clone"
     run(["git", "clone", "-q", str(w), str(c)], tmp_path)

@@ -230,7 +230,7 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
     from dvc_data.hashfile.hash_info import HashInfo
     from dvc_data.hashfile.tree import Tree
 
-    repo.push()
+    sent = repo.push()  # the number of files it sent
     runs = repo.cache.legacy.fs.join(repo.cache.legacy.path, "runs")
     outs = [out for entry in repo.cache.legacy.fs.find(runs)
             for out in (YAML(typ="safe").load(repo.cache.legacy.fs.read_text(entry)) or {})
@@ -251,8 +251,9 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
         entries = []
     if sum(r.levelno >= logging.ERROR for r in problems) > errors:
         raise UploadError(sum(r.levelno >= logging.ERROR for r in problems) - errors)
-    return (f"pushed the run-cache ({len(entries)} entries) and {len(result.transferred)} more "
-            f"files it needs ({len(objects)} files and folders named in it)")
+    return (f"pushed {sent} files of the workspace's data and outputs, then the run-cache "
+            f"({len(entries)} entries) and {len(result.transferred)} more files it names (of "
+            f"{len(objects)}: the rest were there)")
 
 
 def unrestored(stage: str) -> str | None:
