@@ -40,7 +40,7 @@ def narrate(lines: Iterable[str], total: int, out: TextIO = sys.stdout, quiet_s:
                 say(f"  ... {state['doing']} ({clock(time.monotonic() - start)} so far)")
 
     threading.Thread(target=keep_talking, daemon=True).start()
-    taken, failing = 0, False
+    taken, kept, installed, failing = 0, 0, False, False
     for line in lines:
         line = line.rstrip("\n")
         if line.startswith(("Collecting ", "Processing ")):
@@ -52,11 +52,16 @@ def narrate(lines: Iterable[str], total: int, out: TextIO = sys.stdout, quiet_s:
             state["doing"] = f"pip is unpacking {count} packages into .venv"
             say(f"unpacking {count} packages into .venv: several minutes in which pip prints "
                 f"nothing; a line every {quiet_s:g} s until it is done")
+        elif line.startswith("Requirement already satisfied"):
+            kept += 1
         elif line.startswith("Successfully installed"):
+            installed = True
             say(f"installed {len(line.split()) - 2} packages in {clock(time.monotonic() - start)}")
         elif line.startswith("ERROR") or failing:  # pip's error and everything it adds
             failing = True
             say(line)
+    if kept and not installed and not failing:  # a lock that changed only in its file's time
+        say(f"nothing to install: the lock's {kept} packages are in .venv already")
 
 
 if __name__ == "__main__":
