@@ -107,6 +107,8 @@ def checkpoint_run(started: dict, meta: dict, checkpoint_dir: str, rank: int,
     hyperparameter starts afresh, an unchanged one resumes), and the checkpoint to resume."""
     decisive = {k: v for k, v in started.items()
                 if k not in ("train.resume", "train.log_every", "train.checkpoint_dir")}
+    if world > 1:  # so do the processes, torchrun's too (BatchNorm, dropout: docs/multinode.md)
+        decisive["processes"] = world
     key = params_hash(decisive, meta["sha256"])
     workspace = repo_root()
     ckpt_dir = workspace / checkpoint_dir / key

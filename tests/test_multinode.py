@@ -109,6 +109,11 @@ def test_a_killed_agent_fails_the_other_in_bounded_time_and_a_rerun_resumes(
         assert time.monotonic() < deadline, "the killed agent's worker outlived it"
         time.sleep(0.2)
 
+    # One process in the head's workspace starts afresh: its weights would not be the two's.
+    alone = run([sys.executable, "-m", "stages.train"], head.workspace,
+                env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=mlflow_uri))
+    assert "resuming from" not in alone.stderr and "trained cnn" in alone.stdout, alone.stderr
+
     outputs, _ = train_on([head, other], mlflow_uri)  # the other machine has no checkpoint
     assert "resuming from" in outputs[0] and outputs[0].count("trained cnn") == 1, outputs[0]
     assert metrics(head)["epochs_run"] == 8
