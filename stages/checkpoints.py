@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from stages.config import EVAL_DIR, EXPORT_DIR, PREPARED, TRAIN_DIR, ParamsError
-from stages.lib.errors import UserError
+from stages.lib.errors import StageWarning, UserError
 from stages.lib.files import digest_path, save_torch_verified, verify_digest, write_json
 
 # Everything a run folder ever holds: checkpoints, their checksums, the ownership record, and
@@ -61,7 +61,7 @@ def latest_checkpoint(ckpt_dir: Path) -> dict | None:
             return state
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous
             warnings.warn(f"checkpoint {path} is unusable ({type(e).__name__}: {e}); "
-                          "falling back to an older one", stacklevel=2)
+                          "falling back to an older one", StageWarning, stacklevel=2)
     if found:
         raise CheckpointError(f"no usable checkpoint among {', '.join(str(p) for p in found)}; "
                               "to start this run afresh, set train.resume: never")

@@ -38,7 +38,7 @@ from stages.batches import (
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig
 from stages.data import Split, normalize, resolve_workers
-from stages.lib.errors import UserError
+from stages.lib.errors import StageWarning, UserError
 from stages.metrics import EPOCH, epoch_line
 from stages.models import loss_fn
 from stages.optim import EMA, Schedule, build_optimizer
@@ -560,5 +560,5 @@ def restore(ckpt: dict, parts: Parts, setup: Setup) -> LoopState:
             warnings.warn(f"the checkpoint was trained in {was[1]} on {was[0]}, this run is "
                           f"{now[1]} on {now[0]}: it goes on, but will not end bitwise where an "
                           "uninterrupted run would. Set train.device and train.precision to "
-                          "the checkpoint's to match it", stacklevel=2)
+                          "the checkpoint's to match it", StageWarning, stacklevel=2)
     return state

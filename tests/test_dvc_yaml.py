@@ -68,7 +68,8 @@ def test_the_cli_module_changes_no_output():
                 for a in n.names} | {n.module for n in ast.walk(tree)
                                      if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "argparse", "atexit", "json", "os", "select", "signal",
-                        "subprocess", "sys", "threading", "time", "typing", "collections.abc",
+                        "subprocess", "sys", "threading", "time", "typing", "warnings",
+                        "collections.abc",
                         "contextlib", "pathlib", "stages.lib.errors", "stages.lib.files",
                         "stages.lib.warm"}, imported
     errors = ast.parse((ROOT / "stages/lib/errors.py").read_text())

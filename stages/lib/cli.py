@@ -16,11 +16,12 @@ import subprocess
 import sys
 import time
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stages.lib.errors import UserError
+from stages.lib.errors import StageWarning, UserError
 from stages.lib.warm import finish, in_warm_child
 
 # Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
@@ -49,10 +50,22 @@ def timed(phase: str) -> Iterator[None]:
         STAGE_TIMES[phase] += time.perf_counter() - start
 
 
+python_format = warnings.formatwarning
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """This project's warnings (StageWarning) as one line, like its errors; another library's
+    keep Python's form, whose file and line a bug report needs."""
+    if issubclass(category, StageWarning):
+        return f"warning: {message}\n"
+    return python_format(message, category, filename, lineno, line)
+
+
 def run_stage(main: Callable[[], None]) -> None:
     """A stage's entry point: a user error, a missing input or a full disk ends it with one
-    line that says what to do."""
+    line that says what to do; a warning is one line too."""
     entered = time.time()
+    warnings.formatwarning = one_line_warning
     if os.environ.get("DVC_EXP_BASELINE_REV"):  # set by `dvc exp run`, for every stage it runs
         restat_stale_git_entries()
     try:

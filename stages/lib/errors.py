@@ -5,3 +5,8 @@ own kind (config.ParamsError, lib.images.DataError, checkpoints.CheckpointError,
 
 class UserError(Exception):
     """A problem the user can fix: the message names the file, key or value and says how."""
+
+
+class StageWarning(UserWarning):
+    """A problem the stage works around: one `warning:` line in a stage (`run_stage`), where
+    Python's form adds the file, the line and its source."""

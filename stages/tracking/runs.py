@@ -22,6 +22,7 @@ from typing import Any
 
 from stages.config import MlflowConfig
 from stages.lib.cli import timed
+from stages.lib.errors import StageWarning
 from stages.lib.files import file_hash, write_json
 from stages.lib.paths import repo_root
 from stages.tracking.names import EXPERIMENT_TAGS, VIEW, exp_name, git_commit, run_name
@@ -73,7 +74,8 @@ def _experiment_id(name: str, uri: str) -> str:
         # restores the runs deleted with it, so runs named in run.json are whole again.
         mlflow.MlflowClient().restore_experiment(exp.experiment_id)
         warnings.warn(f"MLflow experiment {name!r} was deleted in {uri}; restored it with its "
-                      "runs (delete them one by one, or rename mlflow.experiment)", stacklevel=2)
+                      "runs (delete them one by one, or rename mlflow.experiment)", StageWarning,
+                      stacklevel=2)
     if exp is None:
         # Artifacts next to the store in the real workspace, not in the cwd: a `dvc exp run
         # --temp` runs in a copy that is deleted afterwards.
@@ -127,7 +129,7 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
         if not tracker.switch_to_spool(e):
             warnings.warn(f"MLflow tracking at {plain_uri(tracker.uri)} is unavailable "
                           f"({refusal(e) or reason(e)}); continuing without tracking, DVC "
-                          "outputs are unaffected", stacklevel=3)
+                          "outputs are unaffected", StageWarning, stacklevel=3)
     if tracker.spooled:  # a reopened spooled run keeps its end; a new one has none
         ended = tracker.call(lambda: mlflow.active_run().info.end_time)
     if not keep_duration:
@@ -210,7 +212,7 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
     with start_run(cfg, tags=tags) as run:
         if note and run.run_id:  # not when the store is down: start_run said so
             warnings.warn(f"{link_file}: {why}; logging into a new run {run.run_id} linked to "
-                          "the training run (tag training_run_id)", stacklevel=3)
+                          "the training run (tag training_run_id)", StageWarning, stacklevel=3)
         run.set_tags({"training_run_id": trained_by or run.call(_training_run, md5)})
         run.log_params(params)
         run.log_dataset(meta, params["data.root"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.lib.cli import timed
+from stages.lib.errors import StageWarning
 from stages.tracking.names import TASK, metric_name, promotes
 from stages.tracking.spool import open_spool_run
 from stages.tracking.stores import (
@@ -86,7 +87,8 @@ class Tracker:
                 return self.call(fn, *args, **kwargs)
             self.enabled = False
             warnings.warn(f"MLflow logging to {self.uri} failed ({reason(e)}); "
-                          "continuing without tracking, DVC outputs are unaffected", stacklevel=3)
+                          "continuing without tracking, DVC outputs are unaffected", StageWarning,
+                          stacklevel=3)
             return None
 
     def switch_to_spool(self, e: Exception | None) -> bool:
@@ -116,7 +118,7 @@ class Tracker:
             self.enabled = False
             warnings.warn(f"MLflow tracking at {plain_uri(self.uri)} is unreachable and the local "
                           f"spool failed too ({reason(spool_error)}); continuing without "
-                          "tracking, DVC outputs are unaffected", stacklevel=4)
+                          "tracking, DVC outputs are unaffected", StageWarning, stacklevel=4)
             return False
         self.enabled = True
         # At the start (`e` None) or after a failed replay: why this process saw it fail.
@@ -187,7 +189,7 @@ class Tracker:
                 refused.append(name)
         if refused:
             warnings.warn(f"MLflow refused the metrics {refused}; the others are logged",
-                          stacklevel=2)
+                          StageWarning, stacklevel=2)
 
     def log_evaluation(self, metrics: dict[str, float]) -> None:
         """Test metrics as `eval/...`; the test-set size is a fact (tag `eval.n`), not a chart."""
