@@ -101,3 +101,12 @@ def test_every_test_the_docs_name_exists():
                     f"{doc}: no {name} in tests/{file}"
                 named += 1
         assert named >= (150 if doc.endswith("guarantees.md") else 1), (doc, named)
+
+
+def test_every_code_block_of_the_docs_is_closed():
+    """An unclosed fence renders the rest of a page as code, and its code as prose (server.md's
+    bench recipe once swallowed the next section)."""
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fences = [n for n, line in enumerate(doc.read_text().splitlines(), 1)
+                  if line.lstrip().startswith("```")]
+        assert len(fences) % 2 == 0, f"{doc.name}: a code block opened at line {fences[-1]} never ends"

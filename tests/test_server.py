@@ -619,6 +619,17 @@ def test_a_restart_names_a_member_who_took_a_name_and_a_deleted_experiment(postg
         assert f"warning: experiment 'reprotrain' (id {exp_id}) is deleted" in said, said
         assert f"experiments restore --experiment-id {exp_id}" in said
         assert "and a member can manage them (above)" in said
+        # docs/server.md's way back, as written there: revoke, then grant EDIT.
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+            env.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            auth = mlflow.server.get_app_client("basic-auth", tracking_uri=uri)
+            with pytest.raises(Exception, match="RESOURCE_ALREADY_EXISTS"):
+                auth.grant_user_permission("squatter", "registered_model", "reprotrain", "EDIT")
+            auth.revoke_user_permission("squatter", "registered_model", "reprotrain")
+            auth.grant_user_permission("squatter", "registered_model", "reprotrain", "EDIT")
+            assert auth.get_user_permission("squatter", "registered_model",
+                                            "reprotrain").permission == "EDIT"
     finally:
         second.terminate()
         second.wait(timeout=60)
