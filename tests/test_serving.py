@@ -430,8 +430,9 @@ def test_a_read_only_user_serves_the_champion_but_cannot_register(champion, regi
     mine = tmp_path / "w"
     shutil.copytree(w, mine)
     p = run([sys.executable, "-m", "stages.export"], mine, env=reader)
-    warned = [line for line in p.stderr.splitlines() if "Warning" in line]
+    warned = [line for line in p.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warned) == 1 and "user 'viewer' may not write here" in warned[0], p.stderr
+    assert "UserWarning" not in p.stderr, p.stderr  # one line, not Python's file, line and source
     assert "registered" not in p.stdout and "Traceback" not in p.stderr
     assert client.search_model_versions(f"name = '{NAME}'") == before
     assert client.get_model_version_by_alias(NAME, "champion").version == "1"
