@@ -322,24 +322,25 @@ def test_setup_says_what_pip_does_through_its_silences(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", wheels, project], check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
-                            "--progress-bar", "off", "--find-links", wheels, "tiny"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
-                          stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert pip.wait() == 0
-    lines = said.stdout.splitlines()
+
+    def narrated_install() -> str:
+        """Real pip installing tiny into the venv, read by pip_progress: what it says."""
+        pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
+                                "--progress-bar", "off", "--find-links", wheels, "tiny"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
+                              stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True,
+                              check=True)
+        assert pip.wait() == 0
+        return said.stdout
+
+    said = narrated_install()
+    lines = said.splitlines()
     assert lines[0].startswith("[1/1] Processing ") and "tiny" in lines[0], lines
-    assert "unpacking 1 packages into .venv" in said.stdout
+    assert "unpacking 1 packages into .venv" in said
     assert re.fullmatch(r"installed 1 packages in 0:\d\d", lines[-1]), lines
     # Again, as after a `git pull` that touched the lock's time only: pip installs nothing.
-    pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
-                            "--progress-bar", "off", "--find-links", wheels, "tiny"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
-                          stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert pip.wait() == 0
-    assert said.stdout == "nothing to install: the lock's 1 packages are in .venv already\n"
+    assert narrated_install() == "nothing to install: the lock's 1 packages are in .venv already\n"
 
     def silent_pip():
         yield "Collecting torch==2.14.1\n"
