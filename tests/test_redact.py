@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stages.lib.redact import holds_password, masked
+from stages.lib.redact import holds_credentials, holds_password, masked
 from tests.conftest import env_with
 from tests.support.services import create_database, postgres  # noqa: F401 - the fixture
 
@@ -62,6 +62,41 @@ KEPT = ["postgresql://h:5432/db?sslmode=require",
 USERS = {"postgresql://mlflow@db-host:5432/mlflow": "postgresql://***@db-host:5432/mlflow",
          f"https://ghp_{SECRET}@host/team/repo.git": "https://***@host/team/repo.git",
          f"git remote origin is https://ghp_{SECRET}@host/r.git": "git remote origin is https://***@host/r.git"}
+
+
+# Forms that masking once cut short, showing the rest of the secret (issue 55): no part of the
+# secret, written in halves around what ended it, may be left.
+HALVES = ("S3cr", "etHALF2")
+SPLIT = {
+    # an ODBC value in braces holds blanks, raw or percent-encoded, in a query value
+    "mssql+pyodbc://u@h/db?odbc_connect=DRIVER={ODBC};UID=u;PWD={S3cr etHALF2};DATABASE=d":
+        "mssql+pyodbc://***@h/db?odbc_connect=***",
+    "mssql+pyodbc://u@h/db?odbc_connect=DRIVER%3D%7Bx%7D%3BPWD%3D%7BS3cr%20etHALF2%7D":
+        "mssql+pyodbc://***@h/db?odbc_connect=***",
+    # libpq's unquoted value: a backslash escapes a blank or a quote
+    r"host=db password=S3cr\ etHALF2 dbname=mlflow": "host=db password=*** dbname=mlflow",
+    r"host=db password=S3cr\'\\etHALF2 user=u": "host=db password=*** user=u",
+    # the key percent-encoded, as the server decodes it
+    "postgresql://u@h/db?pass%77ord=S3cretHALF2&sslmode=require":
+        "postgresql://***@h/db?pass%77ord=***&sslmode=require",
+    "postgresql://u@h/db?%70assword=S3cretHALF2": "postgresql://***@h/db?%70assword=***",
+    # a tab in the user info: in the password, in the user name (a token)
+    "postgresql://u:S3cr\tetHALF2@h/db": "postgresql://***@h/db",
+    "https://S3cr\tetHALF2@h/team/repo.git": "https://***@h/team/repo.git",
+    # a fragment
+    "postgresql://u@h/db#password=S3cretHALF2": "postgresql://***@h/db#password=***",
+    "https://h/cb#access_token=S3cretHALF2&state=x": "https://h/cb#access_token=***&state=x",
+}
+
+
+@pytest.mark.parametrize("text", list(SPLIT))
+def test_no_part_of_a_secret_is_left_where_masking_once_stopped(text):
+    from stages.lib.redact import masked_uri
+
+    for shown in (masked(text), masked_uri(text)):
+        assert shown == SPLIT[text]
+        assert not any(half in shown for half in HALVES), shown
+    assert holds_credentials(text)
 
 
 @pytest.mark.parametrize("text", list(FORMS))

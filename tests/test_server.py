@@ -90,11 +90,15 @@ def test_every_mistake_is_a_line_and_a_password_in_db_is_refused_unseen(tmp_path
                f"postgresql://mlflow:{secret} x@127.0.0.1:1/mlflow",
                f"postgresql://mlflow:ab/{secret}@127.0.0.1:1/mlflow",
                # ODBC's keyword string, percent-encoded in a query value
-               f"mssql+pyodbc://u@127.0.0.1:1/db?odbc_connect=DRIVER%3Dx%3BUID%3Du%3BPWD%3D{secret}"):
+               f"mssql+pyodbc://u@127.0.0.1:1/db?odbc_connect=DRIVER%3Dx%3BUID%3Du%3BPWD%3D{secret}",
+               # a blank that ends no password: in ODBC's braces, escaped in libpq's keywords
+               f"mssql+pyodbc://u@127.0.0.1:1/db?odbc_connect=DRIVER={{x}};PWD={{{secret} HALF2}}",
+               f"host=127.0.0.1 port=1 password={secret}\\ HALF2 dbname=mlflow"):
         p = start_server("--db", db, "--artifacts", art, "--port", "5999", env=env)
         line = one_error_line(p)
         assert "holds a password, which `ps` shows" in line and "~/.pgpass" in line, line
         assert secret not in p.stdout + p.stderr and "***" in line
+        assert "HALF2" not in p.stdout + p.stderr, line
     p = start_server("--db", "postgresql://mlflow@127.0.0.1:1/mlflow", "--artifacts", art,
                      "--port", "5999", env={**env, "MLFLOW_TRACKING_PASSWORD": "short",
                                             "MLFLOW_FLASK_SERVER_SECRET_KEY": "abc"})
