@@ -322,6 +322,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "test_redact.py": (
         "test_a_sweep_never_shows_or_tags_its_storages_password",
+        "test_a_tracking_uris_password_reaches_no_file_tag_or_line",
     ),
     "test_s3_dvc.py": "*",
     "test_s3_faults.py": "*",

@@ -187,3 +187,40 @@ def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres): 
                  if r.info.run_name == "masked"]
     assert parent.data.tags["optuna_storage"] == masked(uri)
     assert SECRET not in str(parent.data.tags) + str(parent.data.params)
+
+
+def test_a_tracking_uris_password_reaches_no_file_tag_or_line(tmp_path, digits, postgres):  # noqa: F811
+    """MLFLOW_TRACKING_URI with a database password, for real (issue 55): train logs to one
+    database with `?password=`, evaluate to another with the password in the user info, a `/` in
+    it; evaluate's run then names the training's store in a tag. run.json (0644), every tag and
+    param of both stores and every line name the stores masked. Trust auth ignores the password."""
+    import json
+    import sys
+
+    import mlflow
+
+    from tests.conftest import ROOT, run
+    from tests.support.workspaces import workspace
+
+    w = workspace(tmp_path / "w", digits, epochs="1")
+    trained_in = create_database(postgres, "masked_train")
+    evaluated_in = create_database(postgres, "masked_eval")
+    host, _, db = evaluated_in.removeprefix("postgresql://postgres@").partition("/")
+    query = f"{trained_in}?password={SECRET}&sslmode=disable"
+    userinfo = f"postgresql://postgres:pw/{SECRET}%40x@{host}/{db}"
+    said = ""
+    for stage, uri in (("train", query), ("evaluate", userinfo)):
+        p = run([sys.executable, "-m", f"stages.{stage}"], w,
+                env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri))
+        said += p.stdout + p.stderr
+        link = (w / "models/train/run.json").read_text()
+        assert SECRET not in link and json.loads(link)["tracking_uri"] == masked(uri), link
+    assert SECRET not in said, said
+    tags = {}
+    for uri in (trained_in, evaluated_in):
+        client = mlflow.MlflowClient(uri)
+        for r in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+            assert SECRET not in str(r.data.params), r.data.params
+            tags |= r.data.tags
+    assert tags["training_tracking_uri"] == masked(query)
+    assert SECRET not in str(tags), tags

@@ -109,9 +109,10 @@ def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:
     """Why the champion could not be looked up, in one line with its fix: a login refused or a
     server that does not answer is no reason to retrain (`make repro`)."""
     from stages import tracking
-    from stages.tracking.stores import is_server, plain_uri, reachable
+    from stages.lib.redact import masked_uri
+    from stages.tracking.stores import is_server, reachable
 
-    where = plain_uri(uri)  # credentials a URI may carry never reach a message
+    where = masked_uri(uri)  # credentials a URI may carry never reach a message
     what = f"the {alias} of registered model {name!r}"
     if is_server(uri) and not reachable(uri):
         return (f"the tracking server at {where} does not answer, so {what} cannot be looked "

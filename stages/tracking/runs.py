@@ -25,6 +25,7 @@ from stages.lib.cli import timed
 from stages.lib.errors import StageWarning
 from stages.lib.files import file_hash, write_json
 from stages.lib.paths import repo_root
+from stages.lib.redact import masked_uri
 from stages.tracking.names import EXPERIMENT_TAGS, VIEW, exp_name, git_commit, run_name
 from stages.tracking.spool import replay_spool
 from stages.tracking.stores import (
@@ -32,7 +33,6 @@ from stages.tracking.stores import (
     is_server,
     mark_failing,
     outage,
-    plain_uri,
     reachable,
     reason,
     refusal,
@@ -73,7 +73,7 @@ def _experiment_id(name: str, uri: str) -> str:
         # Its name stays taken until `mlflow gc`: the only way to log under it again. MLflow
         # restores the runs deleted with it, so runs named in run.json are whole again.
         mlflow.MlflowClient().restore_experiment(exp.experiment_id)
-        warnings.warn(f"MLflow experiment {name!r} was deleted in {uri}; restored it with its "
+        warnings.warn(f"MLflow experiment {name!r} was deleted in {masked_uri(uri)}; restored it with its "
                       "runs (delete them one by one, or rename mlflow.experiment)", StageWarning,
                       stacklevel=2)
     if exp is None:
@@ -113,7 +113,7 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
             else:
                 replay_spool(tracker.uri)
                 if tracker.uri in FAILING:  # the replay found it failing: no second wait
-                    raise ConnectionError(f"{plain_uri(tracker.uri)} failed during the replay")
+                    raise ConnectionError(f"{masked_uri(tracker.uri)} failed during the replay")
                 mlflow.set_tracking_uri(tracker.uri)
                 with store_lock(tracker.uri):
                     exp_id = _experiment_id(cfg.experiment, tracker.uri)
@@ -127,7 +127,7 @@ def start_run(cfg: MlflowConfig, *, run_id: str | None = None, tags: dict[str, A
                 tracker.run_id, tracker.enabled = run.info.run_id, True
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         if not tracker.switch_to_spool(e):
-            warnings.warn(f"MLflow tracking at {plain_uri(tracker.uri)} is unavailable "
+            warnings.warn(f"MLflow tracking at {masked_uri(tracker.uri)} is unavailable "
                           f"({refusal(e) or reason(e)}); continuing without tracking, DVC "
                           "outputs are unaffected", StageWarning, stacklevel=3)
     if tracker.spooled:  # a reopened spooled run keeps its end; a new one has none
@@ -171,7 +171,7 @@ def link_model(run: Tracker, model: Path) -> None:
 
 def _write_link(path: Path, run: Tracker, md5: str) -> None:
     """run.json: which run is this experiment's, for this model."""
-    write_json(path, {"run_id": run.run_id, "tracking_uri": plain_uri(run.store), "model_md5": md5,
+    write_json(path, {"run_id": run.run_id, "tracking_uri": masked_uri(run.store), "model_md5": md5,
                       "dvc_exp_name": exp_name()})
 
 
@@ -205,10 +205,12 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
                 return
             note = True
 
+    # Masked again: a run.json written before masking covered every form may hold a password.
+    trained_in = link.get("tracking_uri") and masked_uri(link["tracking_uri"])
     tags = {"model_md5": md5, "mlflow.note.content": f"A run of its own: {why}.",
             "restored_from_run_cache": None if note else "true",
-            "training_tracking_uri": link.get("tracking_uri") if trained_by and
-            link.get("tracking_uri") != uri else None}
+            "training_tracking_uri": trained_in if trained_by and
+            trained_in != masked_uri(uri) else None}
     with start_run(cfg, tags=tags) as run:
         if note and run.run_id:  # not when the store is down: start_run said so
             warnings.warn(f"{link_file}: {why}; logging into a new run {run.run_id} linked to "
@@ -236,7 +238,7 @@ def experiment_run(cfg: MlflowConfig, params: dict[str, Any], meta: dict,
 def _from_spool(cfg: MlflowConfig, link: dict, uri: str) -> dict:
     """run.json naming a run spooled from its start: once the server answers, the spool is
     replayed and the link names that run's copy on the server."""
-    if link.get("tracking_uri") != plain_uri(spool_uri()) or not is_server(uri) \
+    if link.get("tracking_uri") != masked_uri(spool_uri()) or not is_server(uri) \
             or uri in FAILING or not reachable(uri):
         return link
     replay_spool(uri)
@@ -244,7 +246,7 @@ def _from_spool(cfg: MlflowConfig, link: dict, uri: str) -> dict:
         found = _server_id(cfg.experiment, link.get("run_id"), uri)
     except Exception:  # noqa: BLE001 - start_run reports the server
         return link
-    return link | {"run_id": found, "tracking_uri": uri} if found != link.get("run_id") else link
+    return link | {"run_id": found, "tracking_uri": masked_uri(uri)} if found != link.get("run_id") else link
 
 
 def _server_id(experiment: str, run_id: str, uri: str) -> str:
@@ -286,7 +288,7 @@ def _unusable(cfg: MlflowConfig, uri: str, run_id: str | None,
         run = mlflow.MlflowClient().get_run(run_id)
     except MlflowException as e:
         if e.error_code in MISSING_RUN:
-            return f"its MLflow run {run_id} is not in {uri}", run_id
+            return f"its MLflow run {run_id} is not in {masked_uri(uri)}", run_id
         if is_server(uri) and outage(e):  # start_run spools at once, and says so
             mark_failing(uri, e)
         return None, run_id

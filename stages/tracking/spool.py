@@ -11,6 +11,7 @@ import sys
 import time
 
 from stages.lib.paths import repo_root
+from stages.lib.redact import masked_uri
 from stages.tracking.names import EXPERIMENT_TAGS, run_name
 from stages.tracking.stores import (
     SERVER_RUN,
@@ -19,7 +20,6 @@ from stages.tracking.stores import (
     is_server,
     mark_failing,
     outage,
-    plain_uri,
     reason,
     refusal,
     spool_file,
@@ -63,7 +63,7 @@ def open_spool_run(experiment: str, run_id: str | None, name: str, server: str):
             client.delete_tag(found, SYNCED)
         return mlflow.start_run(run_id=found)
     return mlflow.start_run(experiment_id=exp_id, run_name=name or run_name(),
-                            tags={SERVER_RUN: run_id or "", "reprotrain.spooled_for": plain_uri(server),
+                            tags={SERVER_RUN: run_id or "", "reprotrain.spooled_for": masked_uri(server),
                                   "reprotrain.spooled_on": platform.node()})
 
 
@@ -85,10 +85,10 @@ def replay_spool(uri: str) -> None:
         if outage(e):  # the stage's run goes to the spool too: its one line says why
             mark_failing(uri, e)
             return
-        print(f"warning: replaying the spool {SPOOL}/ to {plain_uri(uri)} failed "
+        print(f"warning: replaying the spool {SPOOL}/ to {masked_uri(uri)} failed "
               f"({refusal(e) or reason(e)}); `make sync` retries it", file=sys.stderr)
         return
     if not report.left:
         spool_synced(started)
     if report.runs or report.left:
-        print(report.line(f"{SPOOL}/", plain_uri(uri)), file=sys.stderr)
+        print(report.line(f"{SPOOL}/", masked_uri(uri)), file=sys.stderr)

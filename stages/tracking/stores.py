@@ -92,11 +92,6 @@ def is_server(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
-def plain_uri(uri: str) -> str:
-    """A store's URI without the user and password it may carry."""
-    return re.sub(r"//[^/@]*@", "//", uri)
-
-
 def reachable(uri: str) -> bool:
     """Whether the server answers, within PROBE_S: one quick look before MLflow's own retries.
     A refusal (401, 403) is an answer; a 5xx is not (a reverse proxy whose MLflow is gone
@@ -104,8 +99,10 @@ def reachable(uri: str) -> bool:
     import urllib.error
     import urllib.request
 
+    parts = urlsplit(uri)  # a login left in it is no part of the address urllib opens
+    health = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl().rstrip("/") + "/health"
     try:
-        with urllib.request.urlopen(plain_uri(uri).rstrip("/") + "/health", timeout=PROBE_S):
+        with urllib.request.urlopen(health, timeout=PROBE_S):
             return True
     except urllib.error.HTTPError as e:
         return e.code < 500

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
+from stages.lib.redact import masked, masked_uri
 from stages.tracking import stores
 
 # A progress bar per file, and MLflow's "View run" and "View experiment" lines for each run it
@@ -78,7 +79,7 @@ class Report:
 
 def label(uri: str) -> str:
     """Where a run comes from, as a tag: this host and the store, never a password."""
-    return f"{platform.node()}:{stores.plain_uri(uri).split('?')[0]}"
+    return f"{platform.node()}:{masked_uri(uri).split('?')[0]}"
 
 
 @contextmanager
@@ -178,7 +179,7 @@ def _check_source(source: str) -> None:
                             "upgrade a copy (`mlflow db upgrade sqlite:///COPY`) and sync that")
         return
     if db != stores.spool_file():
-        raise UserError(f"FROM={stores.plain_uri(source)}: {db} is not a readable MLflow store "
+        raise UserError(f"FROM={masked_uri(source)}: {db} is not a readable MLflow store "
                         f"({problem}); nothing was synced")
     kept = db.with_name(f"{db.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
     db.rename(kept)
@@ -231,7 +232,7 @@ def _mark(run, target: str) -> str:
 
 
 def _mark_of(end_time: int | None, target: str) -> str:
-    return f"{stores.plain_uri(target)}@{end_time}"
+    return f"{masked_uri(target)}@{end_time}"
 
 
 def spooled(db: Path, target: str) -> tuple[int, int] | None:
@@ -516,17 +517,17 @@ def _failure(e: Exception, source: str, target: str) -> str:
     if not isinstance(e, MlflowException | requests.RequestException | sqlalchemy.exc.SQLAlchemyError):
         raise e
     kept = "the source is kept" if source != stores.spool_uri() else f"the spool {stores.SPOOL}/ is kept"
-    said = stores.plain_uri(stores.reason(e))
+    said = masked(stores.reason(e))
     if isinstance(e, sqlalchemy.exc.SQLAlchemyError):
-        return f"reading {stores.plain_uri(source).split('?')[0]} failed ({said}); {kept}"
+        return f"reading {masked_uri(source).split('?')[0]} failed ({said}); {kept}"
     if refused := stores.refusal(e):  # a login or a permission: says whose, and how to get it
         return f"{refused}; nothing more was synced, {kept}"
     if stores.outage(e):
         if stores.ARTIFACTS_API in str(e):  # the server answers; the store behind it does not
             said = stores.outage_cause(e)
-        return (f"the MLflow server {stores.plain_uri(target)} failed ({said}); nothing is lost, "
+        return (f"the MLflow server {masked_uri(target)} failed ({said}); nothing is lost, "
                 f"{kept}: rerun make sync when it answers")
-    return f"the MLflow server {stores.plain_uri(target)} refused the sync ({said}); {kept}"
+    return f"the MLflow server {masked_uri(target)} refused the sync ({said}); {kept}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -551,16 +552,16 @@ def main(argv: list[str] | None = None) -> None:
     if (db := stores.sqlite_file(source)) is not None and not db.is_file():
         raise UserError(f"FROM={source}: no such file {db}; give the mlflow.db of the runs "
                         "to move, e.g. FROM=sqlite:///$HOME/old-clone/mlflow.db")
-    if stores.plain_uri(source) == stores.plain_uri(target):
-        raise UserError(f"FROM={source} is MLFLOW_TRACKING_URI itself: nothing to move")
+    if masked_uri(source) == masked_uri(target):
+        raise UserError(f"FROM={masked_uri(source)} is MLFLOW_TRACKING_URI itself: nothing to move")
     if not args.source and (counts := spooled(stores.spool_file(), target)) and not counts[0]:
         # Every spooled run is on this server already (marked when sent): said without MLflow's
         # import or a request. FROM=sqlite:///$PWD/.mlflow-spool/mlflow.db checks each again.
         stores.spool_synced(time.time())
-        print(Report(skipped=counts[1]).line(f"{stores.SPOOL}/", stores.plain_uri(target)))
+        print(Report(skipped=counts[1]).line(f"{stores.SPOOL}/", masked_uri(target)))
         return
     if stores.is_server(target) and not stores.reachable(target):
-        raise UserError(f"the MLflow server {stores.plain_uri(target)} does not answer (or "
+        raise UserError(f"the MLflow server {masked_uri(target)} does not answer (or "
                         "answers 5xx, as a proxy before a stopped one does): start it (make "
                         "server) or check MLFLOW_TRACKING_URI, then rerun make sync; the spool "
                         "is kept")
@@ -576,8 +577,8 @@ def main(argv: list[str] | None = None) -> None:
         stores.spool_synced(started)
     for conflict in report.conflicts[:5]:
         print(f"warning: kept the server's value of {conflict} (MLflow params are immutable)")
-    shown = args.source and stores.plain_uri(source).split("?")[0] or f"{stores.SPOOL}/"
-    print(report.line(shown, stores.plain_uri(target)))
+    shown = args.source and masked_uri(source).split("?")[0] or f"{stores.SPOOL}/"
+    print(report.line(shown, masked_uri(target)))
 
 
 if __name__ == "__main__":

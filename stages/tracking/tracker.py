@@ -19,6 +19,7 @@ from typing import Any
 
 from stages.lib.cli import timed
 from stages.lib.errors import StageWarning
+from stages.lib.redact import masked_uri
 from stages.tracking.names import TASK, metric_name, promotes
 from stages.tracking.spool import open_spool_run
 from stages.tracking.stores import (
@@ -29,7 +30,6 @@ from stages.tracking.stores import (
     mark_failing,
     outage,
     outage_cause,
-    plain_uri,
     reason,
     spool_uri,
 )
@@ -86,7 +86,7 @@ class Tracker:
             if self.switch_to_spool(e):
                 return self.call(fn, *args, **kwargs)
             self.enabled = False
-            warnings.warn(f"MLflow logging to {self.uri} failed ({reason(e)}); "
+            warnings.warn(f"MLflow logging to {masked_uri(self.uri)} failed ({reason(e)}); "
                           "continuing without tracking, DVC outputs are unaffected", StageWarning,
                           stacklevel=3)
             return None
@@ -116,14 +116,14 @@ class Tracker:
                 self.pending.clear()
         except Exception as spool_error:  # noqa: BLE001 - a full disk: no tracking, as before
             self.enabled = False
-            warnings.warn(f"MLflow tracking at {plain_uri(self.uri)} is unreachable and the local "
+            warnings.warn(f"MLflow tracking at {masked_uri(self.uri)} is unreachable and the local "
                           f"spool failed too ({reason(spool_error)}); continuing without "
                           "tracking, DVC outputs are unaffected", StageWarning, stacklevel=4)
             return False
         self.enabled = True
         # At the start (`e` None) or after a failed replay: why this process saw it fail.
         cause = outage_cause(e) or FAILED_BECAUSE.get(self.uri, "")
-        print(f"warning: MLflow server {plain_uri(self.uri)} is unreachable"
+        print(f"warning: MLflow server {masked_uri(self.uri)} is unreachable"
               + (f" ({cause})" if cause else "") + f"; this run is spooled to {SPOOL}/ "
               "(`make sync` sends it when the server is back; DVC outputs are unaffected)",
               file=sys.stderr)
