@@ -110,6 +110,9 @@ def test_make_share_sends_every_runs_outputs_not_only_the_workspaces(tmp_path):
         assert (c / "out/seq.txt").read_text().split() == [str(i) for i in range(1, int(n) + 1)]
 
 
+TOKEN = "ghp_t0kenInTheRemoteUrl"
+
+
 @pytest.mark.parametrize("remote, expected", [
     (None, "error: no DVC remote to share to: add one with `dvc remote add -d NAME URL`"),
     ("s3://bucket/x", "error: the DVC remote 'r' (s3://bucket/x) needs credentials and this "
@@ -120,6 +123,10 @@ def test_make_share_sends_every_runs_outputs_not_only_the_workspaces(tmp_path):
                                   "(Cannot connect to host 127.0.0.1:{port}"),
     ("{tmp}/file/under", "error: could not push to the DVC remote 'r' ({tmp}/file/under): "
                          "[Errno 20] Not a directory: '{tmp}/file/under/"),
+    # a token in the URL (issue 55): shown nowhere, DVC's own words included
+    (f"https://alice:{TOKEN}@127.0.0.1:{{port}}/dvc", "error: could not push to the DVC remote "
+     "'r' (https://***@127.0.0.1:{port}/dvc): 1 files failed to upload (Cannot connect to host "
+     "127.0.0.1:{port}"),
 ])
 def test_make_share_without_a_usable_remote_is_one_line(dvc_repo, tmp_path, remote, expected):
     from tests.support.workspaces import closed_port
@@ -138,6 +145,7 @@ def test_make_share_without_a_usable_remote_is_one_line(dvc_repo, tmp_path, remo
              AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-aws"))
     assert p.returncode == 2 and last_lines(p) == last_lines(p)[-1:], p.stderr
     assert last_lines(p)[0].startswith(expected.format(**fill)), p.stderr
+    assert TOKEN not in p.stdout + p.stderr, p.stderr
     assert workspace_state(repo) == before  # nothing lost, nothing half-pushed locally
 
 

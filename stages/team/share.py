@@ -21,10 +21,16 @@ from ruamel.yaml import YAML
 
 from stages.lib.cli import run_stage
 from stages.lib.errors import UserError
+from stages.lib.redact import masked
 
 
 class ShareError(UserError):
-    """The DVC remote is missing, unusable or unreachable; the message says what to do."""
+    """The DVC remote is missing, unusable or unreachable; the message says what to do. Masked
+    whole: the remote's URL, and DVC's words that repeat it, may hold a token or password
+    (`https://alice:TOKEN@host/dvc`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(masked(message))
 
 
 def main() -> None:
@@ -80,7 +86,7 @@ def main() -> None:
                              "this machine reaches it (`dvc remote list`, `dvc remote modify`)"
                              ) from None
     for record in problems:  # the warnings of a push that worked
-        print(f"WARNING: {record.getMessage()}", file=sys.stderr)
+        print(f"WARNING: {masked(record.getMessage())}", file=sys.stderr)
 
 
 # What S3 servers answer a write they have no room for: Ceph's quota, MinIO's quota and full
