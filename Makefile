@@ -62,24 +62,30 @@ verify: setup ## rerun every stage from scratch; fail unless each output is byte
 	dvc repro -f
 	@$(PY) -m stages.team.verify .dvc/tmp/dvc.lock.before-verify
 
+# Silent (`@`), as every target that takes or reads a URL or DSN: make's echo of a recipe line
+# would show what it holds (CI logs keep it); the values reach such recipes through the
+# environment, so that even `make -n` shows only the variables' names.
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
-	$(PY) -m stages.team.share
+	@$(PY) -m stages.team.share
 
-# An Optuna study of DVC experiments (docs/sweeps.md). STORAGE is the study's database: through
-# the environment, so make never echoes a password; its default is $REPROTRAIN_SWEEP_STORAGE.
+# An Optuna study of DVC experiments (docs/sweeps.md). STORAGE is the study's database, its
+# default $REPROTRAIN_SWEEP_STORAGE; it and REMOTE (a git URL may hold a token) go through the
+# environment.
 SWEEP ?= sweeps/lr.yaml
 WORKERS ?= 1
 LAUNCHER ?= local
 REMOTE ?= origin
 sweep: export REPROTRAIN_SWEEP_STORAGE := $(or $(STORAGE),$(REPROTRAIN_SWEEP_STORAGE))
+sweep: export REPROTRAIN_SWEEP_REMOTE := $(REMOTE)
 sweep: setup ## an Optuna study of DVC experiments: SWEEP=sweeps/lr.yaml TRIALS= WORKERS= LAUNCHER=local|slurm STORAGE= REMOTE=
-	$(PY) -m stages.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) --remote $(REMOTE) \
-		$(if $(TRIALS),--trials $(TRIALS)) $(if $(STUDY),--study $(STUDY))
+	@$(PY) -m stages.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) \
+		--remote "$$REPROTRAIN_SWEEP_REMOTE" $(if $(TRIALS),--trials $(TRIALS)) $(if $(STUDY),--study $(STUDY))
 # The runs a stage spooled while the tracking server was down (.mlflow-spool/), or with
 # FROM=sqlite:///path/mlflow.db a machine's own runs, onto MLFLOW_TRACKING_URI; exactly once.
 FROM ?=
+sync: export REPROTRAIN_SYNC_FROM := $(FROM)
 sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
-	$(PY) -m stages.tracking.sync $(if $(FROM),--from '$(FROM)')
+	@$(PY) -m stages.tracking.sync $(if $(FROM),--from "$$REPROTRAIN_SYNC_FROM")
 
 # Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
 # A third costs more than the waits it fills: on the 2-core VM the suite's CPU time went from

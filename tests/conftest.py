@@ -298,6 +298,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_make_share_sends_every_runs_outputs_not_only_the_workspaces",
         "test_make_share_without_a_usable_remote_is_one_line",
         "test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back",
+        "test_no_target_that_takes_a_url_echoes_its_recipe",
         "test_setup_says_what_pip_does_through_its_silences",
     ),
     "test_model_files.py": (

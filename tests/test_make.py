@@ -149,6 +149,34 @@ def test_make_share_without_a_usable_remote_is_one_line(dvc_repo, tmp_path, remo
     assert workspace_state(repo) == before  # nothing lost, nothing half-pushed locally
 
 
+def test_no_target_that_takes_a_url_echoes_its_recipe(tmp_path):
+    """make, without -s as a user and CI run it, echoes a recipe line before running it, and CI
+    logs keep it: `make sweep REMOTE=https://TOKEN@...` showed the token before the sweep refused
+    it masked (issue 55). The targets that take a URL or DSN, or read one, echo nothing; each
+    still refuses the value, masked."""
+    from tests.conftest import copy_repo
+    from tests.support.workspaces import closed_port
+
+    repo = copy_repo(tmp_path / "repo")
+    port = closed_port()
+    run(["dvc", "remote", "add", "--local", "-d", "r", f"https://alice:{TOKEN}@127.0.0.1:{port}/dvc"], repo)
+    (repo / "sent.txt").write_text("a file for `make share` to push")
+    run(["dvc", "add", "sent.txt"], repo)
+    unreachable = f"http://127.0.0.1:{port}"
+    for target, said in (
+            (["sweep", f"REMOTE=https://{TOKEN}@127.0.0.1:{port}/team/repo.git", "TRIALS=1",
+              "STORAGE=postgresql://optuna@127.0.0.1:1/sweeps"], "error: REMOTE=https://***@"),
+            (["sync", f"FROM=postgresql://u:{TOKEN}@127.0.0.1:1/mlflow"], "does not answer"),
+            (["server", f"DB=postgresql://u:{TOKEN}@127.0.0.1:1/mlflow", "ARTIFACTS=art"],
+             "error: DB=postgresql://***@127.0.0.1:1/mlflow holds a password"),
+            (["share"], "error: could not push to the DVC remote 'r' (https://***@")):
+        p = run(["make", *target, f"VENV={VENV_BIN.parent}"], repo, check=False,
+                env=env_with(MLFLOW_TRACKING_URI=unreachable))
+        out = p.stdout + p.stderr
+        assert p.returncode == 2 and said in p.stderr and TOKEN not in out, (target, out)
+        assert "-m stages." not in out, (target, out)  # no recipe line
+
+
 def test_make_verify_on_another_thread_count_names_the_outputs_and_the_way_back(dvc_repo, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(dvc_repo, repo, symlinks=True)
