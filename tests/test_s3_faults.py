@@ -351,16 +351,20 @@ def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_pat
 
 @pytest.mark.parametrize(("sig", "to"), [(signal.SIGTERM, "make"), (signal.SIGTERM, "python"),
                                          (signal.SIGHUP, "group"), (signal.SIGQUIT, "group"),
-                                         (signal.SIGKILL, "weed")])
+                                         (signal.SIGKILL, "weed"), (signal.SIGKILL, "relay")])
 def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_path, sig, to):
     """SIGTERM to make (which passes it on to its command), to `python -m stages.team.s3`
     alone, or SIGHUP to the whole group (a closed terminal), or Ctrl-\\ (SIGQUIT): SeaweedFS
     stops too, where it served on, an orphan holding the port, and the stop is clean: no `make:
     ***` line, and make ends as the signal ended it, or 0 when only its command got one. In `ps`
     and to `pgrep` SeaweedFS is `weed`, not `/proc/self/fd/3` with the command name `3`. And
-    weed killed under it (the OOM killer) is an error naming its log, not a silent exit 0."""
+    weed killed under it (the OOM killer) is an error naming its log, not a silent exit 0; so is
+    its S3 relay killed (issue 55: `make s3` ran on, deaf)."""
     import psutil
 
+    if to == "relay" and subprocess.run(["unshare", "--map-root-user", "--mount", "--net", "true"],
+                                        capture_output=True).returncode:
+        pytest.skip("no network namespace here: weed serves S3 itself, with no relay")
     for name in ("Makefile", "requirements.lock"):  # `make s3` makes its .s3/ here
         shutil.copy2(ROOT / name, tmp_path / name)
     port = free_port()
@@ -383,12 +387,19 @@ def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_pat
             [p.cmdline()[:3] for p in servers]
         if to == "group":
             os.killpg(proc.pid, sig)
+        elif to == "relay":  # weed's child: bash started it, then became weed
+            (relay,) = servers[0].children()
+            relay.send_signal(sig)
         else:
             os.kill({"make": proc.pid, "python": python.pid, "weed": servers[0].pid}[to], sig)
         out, err = proc.communicate(timeout=60)
         assert "Traceback" not in err, err
         if to == "weed":
             assert "error: the S3 server stopped (exit " in err and proc.returncode == 2, err
+        elif to == "relay":
+            assert err.startswith(f"error: the S3 server's relay on http://127.0.0.1:{port} "
+                                  "stopped, so S3 no longer answers there: see ") \
+                and proc.returncode == 2, err
         else:
             assert "make: ***" not in err, err
             # make itself exits 1 on SIGQUIT (it dumps no core): what it does is make's own
@@ -499,3 +510,78 @@ def test_every_port_of_make_s3_refuses_a_request_without_the_keys(own_s3, tls):
     assert c.get_object(Bucket="team-dvc", Key="obj")["Body"].read() == b"original"
     c.put_object(Bucket="team-dvc", Key="obj", Body=b"replaced, keyed")
     assert c.get_object(Bucket="team-dvc", Key="obj")["Body"].read() == b"replaced, keyed"
+
+
+def flood(port: int, count: int, hold: float) -> int:
+    """A child process (uid 65534 where this one is root) holding `count` idle, keyless
+    connections to `port`, opened without waiting (the kernel completes them): its pid, once they
+    are open. It ends by itself after `hold` seconds, closing them all. Forked, not run: another
+    user may not read this venv's Python."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if os.geteuid() == 0:
+                os.setuid(65534)
+            held = [socket.socket() for _ in range(count)]
+            for s in held:
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+            os.write(w, b"h")
+            time.sleep(hold)
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        assert f.read(1) == b"h"
+    return pid
+
+
+def test_a_flood_of_idle_connections_from_another_user_never_takes_s3_down(tmp_path):
+    """Issue 55, fail 7: about 550 idle connections without a key, from another user (uid
+    65534), used up the relay's descriptors; its accept() died on EMFILE, every keyed request
+    was refused for good after, and `make s3` ran on, saying nothing. Under an open-files limit
+    of 256 (the relay's cap follows it), 300 idle connections: a keyed request made while they
+    are held succeeds (it waits for idle ones to be closed), and one after them too."""
+    import resource
+
+    import boto3
+    from botocore.config import Config
+
+    from stages.team.s3 import identities
+
+    port, hard = free_port(), resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = subprocess.Popen([sys.executable, "-m", "stages.team.s3", "--port", str(port),
+                             "--dir", str(tmp_path / "s3")], cwd=ROOT, env=env_with(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                                  (256, hard)))
+    flooding = None
+    try:
+        for line in proc.stdout:
+            if "Ctrl-C stops it" in line:
+                break
+        assert proc.poll() is None, proc.stderr.read()
+        key, secret = identities(tmp_path / "s3")
+        c = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id=key,
+                         aws_secret_access_key=secret, region_name="us-east-1",
+                         config=Config(retries={"max_attempts": 1}))  # 60 s to connect, to read
+        c.put_object(Bucket="reprotrain", Key="before", Body=b"kept")
+        flooding = flood(port, 300, 120)
+        time.sleep(2)  # the relay takes what it can
+        assert c.get_object(Bucket="reprotrain", Key="before")["Body"].read() == b"kept"
+        assert os.waitpid(flooding, os.WNOHANG) == (0, 0)  # still held
+        os.kill(flooding, signal.SIGKILL)
+        os.waitpid(flooding, 0)
+        flooding = None
+        c.put_object(Bucket="reprotrain", Key="after", Body=b"written")
+        assert c.get_object(Bucket="reprotrain", Key="after")["Body"].read() == b"written"
+        assert proc.poll() is None, proc.communicate()
+    finally:
+        if flooding:
+            os.kill(flooding, signal.SIGKILL)
+            os.waitpid(flooding, 0)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+

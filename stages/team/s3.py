@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -66,10 +67,20 @@ PRIVATE_TMP = ('ip link set lo up && exec {r}< <(exec "$4" -I -S -c "$3" "$5" "$
 # holds the lifeline, a pipe whose other end only `start`'s process holds: at its end-of-file
 # that process is gone, even by SIGKILL (which no `finally` sees), and RELAY stops weed, its
 # parent once bash exec'd it (never another process that became its parent since).
+# Any local user can connect (issue 55): 550 idle connections used up its descriptors and its
+# accept() died on EMFILE. So it serves at most MAX_CONNECTIONS at once, fewer where the open-files
+# limit is lower (two descriptors each, 64 kept for Python), later ones waiting in the listen
+# backlog; it closes a connection that sent nothing for FIRST_S (a client sends its request at
+# once) or that was silent both ways for IDLE_S (half botocore's read timeout, so a request
+# queued behind idle ones is served before its client gives up); and on EMFILE and the like it
+# waits and accepts again. Should it die all the same, `main` sees the lifeline's reader gone.
 RELAY = """
-import os, signal, socket, sys, threading
+import errno, os, resource, signal, socket, sys, threading, time
+MAX_CONNECTIONS, FIRST_S, IDLE_S = 512, 5.0, 30.0
 listener, weed = socket.socket(fileno=int(sys.argv[1])), ("127.0.0.1", int(sys.argv[2]))
 parent = os.getppid()
+nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+slots = threading.BoundedSemaphore(max(1, min(MAX_CONNECTIONS, (nofile - 64) // 2)))
 
 def lifeline(fd):
     os.read(fd, 1)
@@ -77,12 +88,22 @@ def lifeline(fd):
         os.kill(parent, signal.SIGTERM)
     os._exit(0)
 
-def pump(src, dst):
+def pump(src, dst, heard):
+    # heard: [when either side last sent]
     try:
-        while data := src.recv(1 << 16):
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except TimeoutError:  # silent IDLE_S this way: and the other way?
+                if time.monotonic() - heard[0] < IDLE_S:
+                    continue
+                raise
+            if not data:
+                break
+            heard[0] = time.monotonic()
             dst.sendall(data)
         dst.shutdown(socket.SHUT_WR)  # a half-close travels on
-    except OSError:  # one side is gone: so is the other
+    except OSError:  # one side is gone, or both silent too long: so is the other
         for s in (src, dst):
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -91,17 +112,38 @@ def pump(src, dst):
 
 def serve(client):
     try:
-        upstream = socket.create_connection(weed)
-    except OSError:  # weed not up yet, or gone: the client sees its connection closed
-        client.close()
-        return
-    threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
-    pump(client, upstream)
+        with client:
+            client.settimeout(FIRST_S)
+            first = client.recv(1 << 16)  # before weed is dialled: one descriptor till then
+            with socket.create_connection(weed, timeout=IDLE_S) as upstream:
+                client.settimeout(IDLE_S)
+                upstream.sendall(first)
+                heard = [time.monotonic()]
+                back = threading.Thread(target=pump, args=(upstream, client, heard), daemon=True)
+                back.start()
+                pump(client, upstream, heard)
+                back.join()
+    except (OSError, RuntimeError):  # silent, weed not up yet or gone, or no thread to be had:
+        pass                         # the client sees its connection closed
+    finally:
+        slots.release()
 
 threading.Thread(target=lifeline, args=(int(sys.argv[3]),), daemon=True).start()
 print("ready", flush=True)
 while True:
-    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+    slots.acquire()
+    client = None
+    try:
+        client = listener.accept()[0]
+        threading.Thread(target=serve, args=(client,), daemon=True).start()
+    except (OSError, RuntimeError) as e:
+        if client:
+            client.close()
+        slots.release()
+        if getattr(e, "errno", None) in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+            raise  # the listener itself is gone
+        print(f"relay: {e}; accepting again in 1 s", file=sys.stderr, flush=True)
+        time.sleep(1)  # out of descriptors, threads or memory: some come free
 """
 
 
@@ -326,6 +368,20 @@ def inside(s3: S3, command: list[str]) -> list[str]:
             *command]
 
 
+def relay_died(s3: S3) -> bool:
+    """Wait until weed ends on its own (killed, or out of memory) or RELAY does: whether RELAY.
+    A pipe's writer sees POLLERR once no reader is left, and RELAY alone reads the lifeline."""
+    if s3.lifeline is None:
+        s3.proc.wait()
+        return False
+    watch = select.poll()
+    watch.register(s3.lifeline, 0)  # POLLERR and POLLHUP come unasked
+    while s3.proc.poll() is None:
+        if watch.poll(1000):
+            return True
+    return False
+
+
 def stop(s3: S3) -> None:
     """SIGTERM to weed's own process group, SIGKILL after STOP_S; then its private /tmp."""
     with contextlib.suppress(ProcessLookupError):
@@ -371,7 +427,10 @@ def main() -> None:
             print("warning: no network namespace here (user namespaces are off): SeaweedFS's "
                   "master, volume, filer and admin ports on 127.0.0.1 answer anyone on this "
                   "machine without a key; see docs/data.md", file=sys.stderr, flush=True)
-        s3.proc.wait()  # returns only if weed ended on its own: killed, or out of memory
+        if relay_died(s3):
+            raise UserError(f"the S3 server's relay on {s3.endpoint} stopped, so S3 no longer "
+                            f"answers there: see {s3.folder / 'logs' / 'weed.out'}; `make s3` "
+                            "starts it again")
         raise UserError(f"the S3 server stopped (exit {s3.proc.returncode}): see "
                         f"{s3.folder / 'logs' / 'weed.out'}; `make s3` starts it again")
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP: a clean stop, exit 0 (make says nothing)
