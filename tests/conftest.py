@@ -397,7 +397,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "test_ui.py": "*",
     "test_warm.py": (  # each starts a warm process: 15-20 s of imports before it serves
+        "test_a_changed_sitecustomize_starts_another_warm_process",
         "test_a_lone_stage_starts_no_warm_process_and_a_second_one_does",
+        "test_a_stage_keeps_its_callers_scheduling_policy_and_io_class",
         "test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other",
         "test_a_warm_pipeline_writes_the_bytes_a_cold_one_writes",
         "test_a_warm_process_ends_soon_after_its_checkout_is_deleted",

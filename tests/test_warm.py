@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import uuid
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stages.lib import warm
-from tests.conftest import ROOT, VENV_BIN, copy_repo, env_with, run
+from tests.conftest import ROOT, VENV_BIN, copy_params, copy_repo, env_with, run
 from tests.support.workspaces import interruptible, one_error_line, wait_for_checkpoint, workspace
 
 TINY = {"epochs": "3", "model.width": "8"}
@@ -222,7 +223,8 @@ print("probe:" + json.dumps({
     "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "KMP_"))},
     "seed": torch.initial_seed(), "rand": torch.rand(1).item(), "safe_path": sys.flags.safe_path,
     "comm": open("/proc/self/comm").read().strip(), "warm": in_warm_child(),
-    "authkey": multiprocessing.current_process().authkey.hex()}))
+    "authkey": multiprocessing.current_process().authkey.hex(),
+    "policy": os.sched_getscheduler(0), "ionice": os.popen(f"ionice -p {os.getpid()}").read()}))
 '''
 
 
@@ -238,8 +240,8 @@ def probe_repo(tmp_path_factory) -> tuple[Path, dict]:
                   if k != "PYTEST_CURRENT_TEST"}
 
 
-def probe(repo: Path, env: dict, warm_: bool = True) -> dict:
-    out = run([sys.executable, "-m", "stages.params"], repo,
+def probe(repo: Path, env: dict, warm_: bool = True, prefix: tuple[str, ...] = ()) -> dict:
+    out = run([*prefix, sys.executable, "-m", "stages.params"], repo,
               {**env, "REPROTRAIN_WARM": "1" if warm_ else "0"}).stdout
     return json.loads(out.split("probe:")[1].splitlines()[0])
 
@@ -395,3 +397,55 @@ def test_ctrl_z_stops_a_warm_stage_and_fg_resumes_it(tmp_path, digits, mlflow_ur
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_changed_sitecustomize_starts_another_warm_process(tmp_path, digits, mlflow_uri):
+    # Issue 55.5: the key covered PYTHONPATH but not the files Python runs as it starts, and a
+    # warm train ran the sitecustomize it started with, since changed: another model.pt than cold.
+    w = workspace(tmp_path / "w", digits)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("")
+    env = env_with(PYTHONPATH=f"{site}:{ROOT}", MLFLOW_TRACKING_URI=mlflow_uri)
+    sock = warmed(w, env)
+    (site / "sitecustomize.py").write_text("import torch\ntorch.set_default_dtype(torch.float64)\n")
+    try:
+        models = []
+        for warm_ in ("1", "0"):
+            run([sys.executable, "-m", "stages.train"], w, env_with(**env, REPROTRAIN_WARM=warm_))
+            models.append((w / "models/train/model.pt").read_bytes())
+        assert models[0] == models[1]
+    finally:
+        os.kill(int(sock.with_suffix(".pid").read_text()), signal.SIGTERM)
+
+
+def test_the_pth_files_are_part_of_the_key_by_content(tmp_path):
+    # Issue 55.5: an edit that keeps a .pth file's size and mtime still starts another.
+    pth = tmp_path / "a.pth"
+    pth.write_text("import os; os.environ.setdefault('X', '0')\n")
+    before, stat = warm.startup_files([str(tmp_path)]), pth.stat()
+    pth.write_text("import os; os.environ.setdefault('X', '1')\n")
+    os.utime(pth, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert warm.startup_files([str(tmp_path)]) != before
+    assert sysconfig.get_paths()["purelib"] in warm.site_folders()  # this venv's, which runs them
+
+
+@pytest.mark.skipif(not (shutil.which("chrt") and shutil.which("ionice")), reason="needs util-linux")
+def test_a_stage_keeps_its_callers_scheduling_policy_and_io_class(probe_repo, tmp_path):
+    # Issue 55.6: `chrt -i 0 ionice -c3 python -m stages.train` ran its warm stage as SCHED_OTHER
+    # with I/O class none. (The batch policy here, not idle: idle starves on a busy machine; the
+    # key takes any policy.)
+    repo, env = probe_repo
+    warmed(repo, env)
+    assert probe(repo, env)["warm"]
+    under = probe(repo, env, prefix=("chrt", "--batch", "0", "ionice", "-c3"))
+    assert (under["policy"], under["ionice"].strip()) == (os.SCHED_BATCH, "idle")
+    # `chrt -R`: a warm process started from there would run at the policy reset: always cold
+    copy_params(tmp_path)
+    reset = ("chrt", "-R", "--batch", "0")
+    env = env_with(PYTHONPATH=str(ROOT), WARM_TEST_RUN=uuid.uuid4().hex)
+    sock = Path(run([*reset, sys.executable, "-c", "from stages.lib.warm import socket_path; "
+                     "print(socket_path())"], tmp_path, env).stdout.strip())
+    for _ in range(2):  # the second would start one
+        run([*reset, sys.executable, "-m", "stages.params"], tmp_path, env)
+    assert not sock.with_suffix(".seen").exists() and not sock.with_suffix(".pid").exists()

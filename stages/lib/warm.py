@@ -15,11 +15,12 @@ way, and writes the same bytes (tests/test_warm.py).
 Only libraries are imported ahead, never this project's code: a child imports `stages` from
 the caller's checkout, so an edited stage runs as edited. A warm process serves only callers
 that would have imported those libraries alike: the same interpreter and installed packages,
-this file, user, namespaces, cgroup, CPU affinity, resource limits and environment (less the
-variables that name a run: DVC's, MLflow's tracking URI and logins, S3 keys, SLURM's). Any
-difference starts another. It exits after IDLE_S seconds without a caller, or once the checkout
-it runs from is gone. `REPROTRAIN_WARM=0` turns it off; distributed workers (torchrun's) always
-run cold.
+the files Python runs as it starts (`sitecustomize`, `usercustomize`, `.pth`), this file, user,
+namespaces, cgroup, CPU affinity, nice value, scheduling policy, I/O priority, resource limits
+and environment (less the variables that name a run: DVC's, MLflow's tracking URI and logins, S3
+keys, SLURM's). Any difference starts another. It exits after IDLE_S seconds without a caller,
+or once the checkout it runs from is gone. `REPROTRAIN_WARM=0` turns it off; distributed workers
+(torchrun's) and a caller under `chrt -R` always run cold.
 
 Standard library only, and run as a script (`python warm.py serve ...`, its folder taken off
 sys.path at once), so that the warm process holds no module of the checkout that happened to
@@ -138,6 +139,9 @@ def hand_off(module: str) -> None:
             or "TORCHELASTIC_RUN_ID" in os.environ or sys.orig_argv[1:2] != ["-m"]:
         return
     try:
+        # `chrt -R`: a warm process started from here would run at the default policy, not this
+        if os.sched_getscheduler(0) & os.SCHED_RESET_ON_FORK:
+            return
         path = socket_path()
         # params imports no torch: cold, it is done before any wait would be.
         conn = connect(path) or (wait_for_start(path) if module != "stages.params" else None)
@@ -264,6 +268,9 @@ def key() -> str:
              os.getuid(), os.getgid(), sorted(os.getgroups()), sorted(os.sched_getaffinity(0)),
              [read(f"/proc/self/ns/{n}") for n in ("net", "mnt", "user", "ipc", "uts", "pid")],
              read("/proc/self/cgroup"), os.getpriority(os.PRIO_PROCESS, 0),
+             # inherited by the warm process from the caller that starts it, as the nice value
+             os.sched_getscheduler(0), os.sched_getparam(0), io_priority(),
+             startup_files(site_folders()),
              [resource.getrlimit(getattr(resource, n)) for n in dir(resource)
               if n.startswith("RLIMIT_")],
              sorted((k, v) for k, v in os.environ.items()
@@ -272,6 +279,45 @@ def key() -> str:
              # the test, so only whether it is set)
              "PYTEST_CURRENT_TEST" in os.environ]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+# ioprio_get(2) has no libc wrapper and Python no binding: the raw syscall, by this machine's
+# number (x86_64's table; aarch64 and riscv64 share the generic one). Elsewhere the I/O
+# priority is no part of the key.
+IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "riscv64": 31}
+
+
+def io_priority() -> int | None:
+    """This process's I/O scheduling class and level (`ionice`'s), None where unknown."""
+    import ctypes
+
+    number = IOPRIO_GET.get(os.uname().machine)
+    if number is None:
+        return None
+    value = ctypes.CDLL(None, use_errno=True).syscall(  # IOPRIO_WHO_PROCESS, this process
+        ctypes.c_long(number), ctypes.c_long(1), ctypes.c_long(0))
+    return None if value < 0 else value
+
+
+def site_folders() -> list[str]:
+    """The folders whose `.pth` files Python runs as it starts."""
+    import site
+
+    return [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE
+                                       else [])]
+
+
+def startup_files(folders: list[str]) -> list[tuple[str, str]]:
+    """What ran as this interpreter started, before any stage code: the `.pth` files of
+    `folders`, and `sitecustomize` and `usercustomize` where they were found. By content, not
+    size and mtime: they are a few small files, read in microseconds, and an edit that keeps the
+    size within the file system's clock tick (a flag from 0 to 1) would keep size and mtime.
+    What they import in turn is not followed, but for installed packages (the site folder's
+    mtime in the key)."""
+    files = [p for folder in folders for p in sorted(Path(folder).glob("*.pth"))]
+    files += [Path(m.__file__) for m in map(sys.modules.get, ("sitecustomize", "usercustomize"))
+              if getattr(m, "__file__", None)]
+    return [(str(p), hashlib.sha256(p.read_bytes()).hexdigest()) for p in files]
 
 
 def connect(path: Path) -> socket.socket | None:
