@@ -36,6 +36,12 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
         torch.device("mps") if torch.backends.mps.is_available() else torch.device("cpu")
     if device.type == "cuda" and local_rank is not None:
         device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and device.index is not None and \
+            int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Current as well as named (torchrun's processes made their own current at init): CUDA
+        # work that names no device, as the NaN guard's event and the pin-memory thread's
+        # context, would go to GPU 0 beside it.
+        torch.cuda.set_device(device)
     return device
 
 

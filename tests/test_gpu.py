@@ -70,6 +70,16 @@ def test_peak_memory_resets_before_anything_initialized_cuda():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
+def test_an_indexed_gpu_is_made_the_current_one():
+    # Issue 56.5: `train.device: cuda:N` in one process never called set_device, and work that
+    # names no device ran on GPU 0. The last GPU: with one, that CUDA is set up shows the call.
+    last = torch.cuda.device_count() - 1
+    code = ("import torch; from stages.runtime import resolve_device; "
+            f"resolve_device('cuda:{last}'); "
+            f"assert torch.cuda.is_initialized() and torch.cuda.current_device() == {last}")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 @pytest.mark.parametrize("loader", ["device", "dataloader"])
 def test_cuda_training_with_auto_precision_on_both_loaders(digits, loader):
     result = fit(cnn(), digits, epochs=2, precision="auto", device="cuda", loader=loader)
