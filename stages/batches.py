@@ -19,7 +19,7 @@ from stages.config import TrainConfig, batch_share
 from stages.data import Split, resolve_workers
 from stages.lib.errors import UserError
 from stages.lib.images import DataError
-from stages.lib.shards import ShardImages, decoded_on_gpu
+from stages.lib.shards import ShardImages, decoded_batch, nvjpeg
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
 Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
@@ -98,12 +98,20 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
         # each epoch, which shifts the dropout masks away from the device path's.
         generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker,
         collate_fn=EncodedStream.collate if on_gpu else None)
+    decode = nvjpeg(device, split.x.channels) if on_gpu else None
 
     def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         sampler.set_epoch(epoch)
         for batch in dl:
-            x, y, idx = batch if not on_gpu else \
-                (decoded_on_gpu(*batch[:2], split.x.size, split.x.channels, device), *batch[2:])
+            if on_gpu:
+                pixels, data, lengths, boxes, y, idx = batch
+                # What nvJPEG refuses, Pillow decodes here in the same box: still a function of
+                # (seed, epoch, index); a corrupt sample fails naming it.
+                x = decoded_batch(pixels, data, lengths, boxes, split.x.size, split.x.channels,
+                                  device, decode, lambda k, idx=idx, epoch=epoch: split.x.cropped(
+                                      int(idx[k]), dataset.crop_seed(int(idx[k]), epoch)))
+            else:
+                x, y, idx = batch
             if streamed and bool((idx < 0).any()):
                 failed = -1 - int(idx[idx < 0][0])
                 split.x.pixels(failed)  # its error, here in one line (not in a worker's traceback)
@@ -245,6 +253,15 @@ class EncodedStream(StreamedDataset):
         return (*super().blank(), torch.full((4,), -1))
 
     @staticmethod
-    def collate(samples: list) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    def collate(samples: list) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(pixels of the samples decoded here, every JPEG's bytes end to end, their lengths,
+        boxes, labels, indices): a few tensors a batch, not one per JPEG, each of which took a
+        file descriptor on its way from the worker (`Too many open files` at batch 256)."""
         payloads, boxes, ys, idx = zip(*samples, strict=True)
-        return list(payloads), torch.stack(boxes), torch.stack(ys), torch.tensor(idx)
+        boxes = torch.stack(boxes)
+        jpegs = [p for p, b in zip(payloads, boxes, strict=True) if b[0] >= 0]
+        decoded = [p for p, b in zip(payloads, boxes, strict=True) if b[0] < 0]
+        pixels = torch.stack(decoded) if decoded else torch.empty(0, dtype=torch.uint8)
+        data = torch.cat(jpegs) if jpegs else torch.empty(0, dtype=torch.uint8)
+        return (pixels, data, torch.tensor([len(p) for p in jpegs], dtype=torch.int64), boxes,
+                torch.stack(ys), torch.tensor(idx))

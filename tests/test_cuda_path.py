@@ -198,3 +198,137 @@ def test_every_rank_takes_rank_0s_validation_figures_and_decisions(digits, tmp_p
     figures = [[(r["val_loss"], r["val_acc"], r["lr"]) for r in rank["history"]] for rank in ranks]
     assert figures[0] == figures[1]
     assert ranks[0]["best_epoch"] == ranks[1]["best_epoch"]
+
+
+# ------------------------------------------------------------ the streamed GPU decode, on the CPU
+
+
+def jpeg_split(folder: Path, count: int, side: int = 24, **save) -> Split:
+    """`count` noise JPEGs (Pillow's `save` options) as a shard split at 16 px."""
+    import numpy as np
+    from PIL import Image
+
+    from stages.lib.images import Files
+    from stages.lib.shards import ShardImages, write_split
+
+    rng = np.random.default_rng(0)
+    (folder / "raw").mkdir(parents=True)
+    paths = [str(folder / "raw" / f"{i:04d}.jpg") for i in range(count)]
+    for path in paths:
+        Image.fromarray(rng.integers(0, 256, (side, side + 8, 3), dtype=np.uint8)).save(
+            path, quality=90, **save)
+    write_split(folder / "split", Files.of(paths, 0), 3, 16, "squash", 256, 2**20, 1)
+    x = ShardImages(folder / "split", 3, 16, "squash")
+    return Split(x, x.labels())
+
+
+STREAM_256 = """
+import resource, sys, torch
+from pathlib import Path
+from stages.batches import EncodedStream, EpochSampler
+from stages.data import Split
+from stages.lib.shards import ShardImages
+
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+x = ShardImages(Path(sys.argv[1]), 3, 16, "squash")
+dl = torch.utils.data.DataLoader(
+    EncodedStream(Split(x, x.labels()), 0), batch_size=256, num_workers=2,
+    sampler=EpochSampler(len(x), 0, keyed=True), collate_fn=EncodedStream.collate,
+    prefetch_factor=2, drop_last=True, timeout=20)
+for epoch in range(2):
+    dl.sampler.set_epoch(epoch)
+    got = [batch[-1] for batch in dl]
+    assert [len(b) for b in got] == [256, 256], [len(b) for b in got]
+print("ok")
+"""
+
+
+def test_a_streamed_batch_of_256_jpegs_crosses_from_the_workers_under_a_low_open_files_limit(
+        tmp_path):
+    """The GPU path's batches (EncodedStream.collate) at batch 256 from two workers, under
+    `ulimit -n 128`: a tensor per JPEG took a descriptor each on its way from a worker."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, env_with
+
+    jpeg_split(tmp_path, 520, side=8)
+    done = subprocess.run([sys.executable, "-c", STREAM_256, str(tmp_path / "split"), "128"],
+                          cwd=ROOT, env=env_with(PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def cpu_decoder(payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torchvision's decode_jpeg on the CPU, as the GPU path calls nvJPEG: a real decoder that
+    refuses some JPEGs Pillow reads (a grey lossless one, to RGB)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
+        return decode_jpeg(payloads, mode=ImageReadMode.RGB)
+
+
+def test_a_jpeg_the_decoder_refuses_is_cropped_by_pillow_and_a_corrupt_one_named(tmp_path):
+    """The batched call fails for one image; the batch is decoded image by image and the one
+    refused is Pillow's crop of the same box, as the CPU path gives it: a function of (seed,
+    epoch, index). A JPEG Pillow cannot read either fails in one line naming it."""
+    import io
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from stages.batches import EncodedStream
+    from stages.lib import shards
+    from stages.lib.images import DataError, Files
+    from tests.support.image_files import lossless_jpeg
+
+    rng = np.random.default_rng(0)
+    paths = [str(tmp_path / f"{i}.jpg") for i in range(3)]
+    for path in paths[::2]:
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(path, quality=90)
+    Path(paths[1]).write_bytes(lossless_jpeg(rng.integers(0, 256, (40, 56), dtype=np.uint8)))
+    shards.write_split(tmp_path / "split", Files.of(paths, 0), 3, 16, "squash", 256, 2**20, 1)
+    x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
+
+    def encoded(i: int) -> tuple:  # jpeg_crop's payload and box, for any JPEG
+        data = x.raw(i)
+        width, height = Image.open(io.BytesIO(data)).size
+        box = shards.crop_box(width, height, random.Random(f"s{i}"))
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box), x.labels()[i], i
+
+    def crop(k: int) -> torch.Tensor:
+        return x.cropped(k, f"s{k}")
+
+    batch = EncodedStream.collate([encoded(i) for i in range(3)])
+    before = shards.COUNTS.refused
+    out = shards.decoded_batch(*batch[:4], 16, 3, torch.device("cpu"), cpu_decoder, crop)
+    assert shards.COUNTS.refused == before + 1
+    assert torch.equal(out[1], crop(1))
+    assert all((out[k].int() - crop(k).int()).abs().float().mean() < 1 for k in (0, 2))
+    # Sample 1 cut short in its shard (its end marker zeroed): neither decoder reads it.
+    shard, offset, size, _ = x.index[1].tolist()
+    with open(tmp_path / "split" / shards.shard_name(shard), "r+b") as f:
+        f.seek(offset + size - 2)
+        f.write(b"\0\0")
+    x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
+    with pytest.raises(DataError, match=r"shard-000000.tar: sample 1 does not decode \(a damaged"):
+        shards.decoded_batch(*batch[:4], 16, 3, torch.device("cpu"), cpu_decoder, crop)
+
+
+def test_progressive_jpegs_are_decoded_in_the_workers_not_on_the_training_thread(tmp_path):
+    """nvJPEG decodes a progressive JPEG on the host, one at a time, on the training thread:
+    the workers decode it instead (its box -1), to the CPU path's crop."""
+    from stages.batches import EncodedStream, StreamedDataset
+    from stages.lib.shards import GPU_FRAMES, frame_marker
+
+    split = jpeg_split(tmp_path / "p", 3, progressive=True)
+    assert frame_marker(split.x.raw(0)) == 0xC2
+    enc, ref = EncodedStream(split, 0), StreamedDataset(split, 0)
+    for i in range(3):
+        x, box, *_ = enc[(i, 1)]
+        assert box[0] == -1 and torch.equal(x, ref[(i, 1)][0])
+    baseline = jpeg_split(tmp_path / "b", 1)
+    assert frame_marker(baseline.x.raw(0)) in GPU_FRAMES and EncodedStream(baseline, 0)[(0, 1)][1][0] >= 0

@@ -295,24 +295,29 @@ def test_two_ddp_ranks_stream_the_halves_of_one_process_s_batches(both, tmp_path
 
 
 def test_the_gpu_decoders_batches_are_the_workers_crops(both):
-    """What the CUDA path does (EncodedStream, then decoded_on_gpu), run here on the CPU, where
-    torchvision decodes JPEG with libjpeg-turbo as Pillow does: the same crop boxes, the other
-    formats decoded in the workers as before, the JPEGs within a level of Pillow's bicubic on
-    average (torch's resize, not Pillow's). tests/test_gpu.py runs it with nvJPEG."""
+    """What the CUDA path does (EncodedStream, then decoded_batch), run here on the CPU with
+    torchvision's CPU decoder (libjpeg-turbo, as Pillow): the same crop boxes, the other formats
+    decoded in the workers as before, the JPEGs within a level of Pillow's bicubic on
+    average (the batched resize is Pillow's, in floating point). tests/test_gpu.py
+    runs it with nvJPEG."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     from stages.batches import EncodedStream, StreamedDataset
-    from stages.lib.shards import decoded_on_gpu
+    from stages.lib.shards import decoded_batch
 
     split = load_split(both["shards"][0] / "data/prepared", "train")
     enc, ref = EncodedStream(split, 3), StreamedDataset(split, 3)
     n = len(split.y)
-    payloads, boxes, ys, idx = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
-    x = decoded_on_gpu(payloads, boxes, split.x.size, split.x.channels, torch.device("cpu"))
+    batch = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
+    boxes, ys, idx = batch[3:]
+    x = decoded_batch(*batch[:4], split.x.size, split.x.channels, torch.device("cpu"),
+                      lambda ps: decode_jpeg(ps, mode=ImageReadMode.RGB), None)
     want = torch.stack([ref[(i, 1)][0] for i in range(n)])
     jpeg = boxes[:, 0] >= 0
     assert 0 < int(jpeg.sum()) < n and torch.equal(idx, torch.arange(n)) and torch.equal(ys, split.y)
     assert torch.equal(x[~jpeg], want[~jpeg])
     diff = (x[jpeg].int() - want[jpeg].int()).abs().float()
-    assert diff.mean(dim=(1, 2, 3)).max() < 1.5, diff.mean(dim=(1, 2, 3))
+    assert diff.mean(dim=(1, 2, 3)).max() < 1, diff.mean(dim=(1, 2, 3))
 
 
 def test_validation_and_evaluate_decode_shards_in_workers_to_the_same_logits(both):

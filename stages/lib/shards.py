@@ -20,7 +20,8 @@ import math
 import os
 import random
 import tarfile
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -345,8 +346,11 @@ class ShardImages:
     def jpeg_crop(self, i: int, seed: int | str) -> tuple[Tensor, Tensor] | None:
         """Sample i's JPEG bytes and `cropped`'s crop box, for the GPU's JPEG decoder; None where
         that decoder would not give decode_pixels' image (not a plain RGB or grey JPEG, or turned
-        by its EXIF orientation), which `cropped` then decodes here."""
+        by its EXIF orientation) or would decode it on the host (not GPU_FRAMES), which `cropped`
+        then decodes here."""
         data = self.raw(i)
+        if frame_marker(data) not in GPU_FRAMES:
+            return None
         with open_image(data) as img:
             if img.format != "JPEG" or img.mode not in ("RGB", "L") or \
                     img.getexif().get(ORIENTATION, 1) != 1:
@@ -356,26 +360,139 @@ class ShardImages:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box)
 
 
-def decoded_on_gpu(payloads: list[Tensor], boxes: Tensor, size: int, channels: int,
-                   device: torch.device) -> Tensor:
-    """A streamed batch as uint8 (N, C, size, size) on the device: samples with a box (jpeg_crop)
-    decoded by nvJPEG, cropped and resized there; the others came decoded (box -1)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-    from torchvision.transforms.v2 import InterpolationMode
-    from torchvision.transforms.v2.functional import resized_crop
+# Baseline and extended Huffman JPEGs: what nvJPEG decodes on the GPU. It decodes progressive ones
+# (SOF2) on the host, one image at a time on the training thread with a sync after each, and
+# refuses lossless and arithmetic ones: the workers decode those, as on the CPU path.
+GPU_FRAMES = (0xC0, 0xC1)
 
-    out = torch.empty(len(payloads), channels, size, size, dtype=torch.uint8, device=device)
-    jpegs = [k for k in range(len(payloads)) if boxes[k, 0] >= 0]
-    for k in sorted(set(range(len(payloads))) - set(jpegs)):
-        out[k] = payloads[k].to(device, non_blocking=True)
-    if jpegs:
-        mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
-        for k, img in zip(jpegs, decode_jpeg([payloads[k] for k in jpegs], mode=mode,
-                                              device=device), strict=True):
-            top, left, h, w = boxes[k].tolist()
-            out[k] = resized_crop(img, top, left, h, w, [size, size],
-                                  interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+def frame_marker(data: bytes) -> int | None:
+    """A JPEG's start-of-frame marker (0xC0 baseline, 0xC2 progressive, ...), read from the
+    segments before it; None if there is none."""
+    pos = 2
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # not DHT, JPG, DAC
+            return marker
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return None
+
+
+@dataclass
+class DecodeCounts:
+    """Where the training process's streamed samples were decoded: by `decode` (nvJPEG on CUDA),
+    by Pillow after `decode` refused them, or in the workers. A silent fall back shows here."""
+    device: int = 0
+    refused: int = 0
+    workers: int = 0
+
+
+COUNTS = DecodeCounts()
+Decode = Callable[[list[Tensor]], list[Tensor]]
+
+
+def nvjpeg(device: torch.device, channels: int) -> Decode:
+    """torchvision's decode_jpeg on `device`, ordered against the caller's stream."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+    side = torch.cuda.Stream(device)
+
+    def decode(payloads: list[Tensor]) -> list[Tensor]:
+        # torchvision 0.29 allocates the outputs on the current stream, then decodes on a private
+        # stream that never waits for it: the caching allocator can hand it blocks that kernels
+        # queued on the caller's stream (the last step's backward) still read, and nvJPEG
+        # overwrites them (pytorch/vision#9606). Under a stream of our own, after the caller's
+        # work, it only gets blocks no queued kernel reads; the caller takes the outputs back.
+        caller = torch.cuda.current_stream(device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side), warnings.catch_warnings():
+            # Deprecated for TorchCodec, which is not in requirements.lock (docs/data.md).
+            warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
+            images = decode_jpeg(payloads, mode=mode, device=device)
+        caller.wait_stream(side)
+        for img in images:
+            img.record_stream(caller)
+        return images
+
+    return decode
+
+
+def decoded_or_refused(payloads: list[Tensor], decode: Decode) -> list[Tensor | None]:
+    """decode(payloads), or, where it refuses the batch (torchvision fails the whole call for one
+    image), each image alone: None for an image it refuses."""
+    try:
+        return list(decode(payloads))
+    except RuntimeError:
+        pass
+    out: list[Tensor | None] = []
+    for payload in payloads:
+        try:
+            out.append(decode([payload])[0])
+        except RuntimeError:
+            out.append(None)
     return out
+
+
+def decoded_batch(pixels: Tensor, data: Tensor, lengths: Tensor, boxes: Tensor, size: int,
+                  channels: int, device: torch.device, decode: Decode,
+                  fallback: Callable[[int], Tensor]) -> Tensor:
+    """A streamed batch (EncodedStream.collate) as uint8 (N, C, size, size) on `device`: samples
+    with a box (jpeg_crop) decoded by `decode` and cut to their box there, in one batched resize;
+    `fallback(k)` (Pillow's crop of the same box, or an error naming the sample) for those it
+    refuses; the others came decoded (box -1), in `pixels`."""
+    n = len(boxes)
+    out = torch.empty(n, channels, size, size, dtype=torch.uint8, device=device)
+    jpeg = boxes[:, 0] >= 0
+    jpegs, decoded = jpeg.nonzero().flatten(), (~jpeg).nonzero().flatten()
+    if len(decoded):
+        out.index_copy_(0, decoded.to(device), pixels.to(device, non_blocking=True))
+    images = decoded_or_refused(list(data.split(lengths.tolist())), decode) if len(jpegs) else []
+    done = torch.tensor([img is not None for img in images], dtype=torch.bool)
+    if done.any():
+        out.index_copy_(0, jpegs[done].to(device), resized_crops(
+            [img for img in images if img is not None], boxes[jpegs[done]], size))
+    for k in jpegs[~done].tolist():
+        out[k] = fallback(k).to(device)
+    COUNTS.device += int(done.sum())
+    COUNTS.refused += int((~done).sum())
+    COUNTS.workers += len(decoded)
+    return out
+
+
+def resized_crops(images: list[Tensor], boxes: Tensor, size: int) -> Tensor:
+    """uint8 (N, C, size, size): each image's box (top, left, height, width) resized to size x
+    size with Pillow's bicubic (antialiased), as `cropped` does, in two batched products with the
+    filters' weights, not a handful of kernels an image."""
+    device = images[0].device
+    crops = torch.zeros(len(images), images[0].shape[0], int(boxes[:, 2].max()),
+                        int(boxes[:, 3].max()), dtype=torch.float32, device=device)
+    for k, (img, (top, left, h, w)) in enumerate(zip(images, boxes.tolist(), strict=True)):
+        crops[k, :, :h, :w] = img[:, top:top + h, left:left + w]
+    lengths = boxes[:, 2:].to(device)
+    rows = bicubic_weights(lengths[:, 0], size, crops.shape[2])
+    cols = bicubic_weights(lengths[:, 1], size, crops.shape[3])
+    # Across, then down, rounded to whole levels between, as Pillow does.
+    across = (crops @ cols[:, None].transpose(2, 3)).round_().clamp_(0, 255)
+    return (rows[:, None] @ across).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def bicubic_weights(lengths: Tensor, size: int, width: int) -> Tensor:
+    """(N, size, width): the weights of Pillow's antialiased bicubic (a = -0.5) from an input of
+    lengths[n] samples (zero past it) to `size`; the filter widens by the downscale factor."""
+    scale = (lengths.float() / size)[:, None, None]
+    stretch = scale.clamp(min=1)
+    centers = (torch.arange(size, device=lengths.device) + 0.5)[None, :, None] * scale
+    t = ((torch.arange(width, device=lengths.device) + 0.5)[None, None, :] - centers) / stretch
+    t = t.abs()
+    a = -0.5
+    wt = torch.where(t < 1, ((a + 2) * t - (a + 3)) * t * t + 1,
+                     torch.where(t < 2, (((t - 5) * t + 8) * t - 4) * a, torch.zeros_like(t)))
+    wt = wt * (torch.arange(width, device=lengths.device)[None, None, :] < lengths[:, None, None])
+    return wt / wt.sum(-1, keepdim=True)
 
 
 def crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:

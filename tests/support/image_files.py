@@ -111,3 +111,28 @@ def noise_folder(root, per_class: int, side: int = 256) -> None:
         for i in range(per_class):
             pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(root / c / f"{i:03d}.jpg", quality=90)
+
+
+def lossless_jpeg(pixels: np.ndarray) -> bytes:
+    """A grey (H, W) uint8 image as a lossless JPEG (SOF3, predictor 1: the left neighbour),
+    which Pillow reads and libjpeg-turbo will not turn to RGB (torchvision's decode_jpeg with
+    mode RGB refuses it), as nvJPEG refuses it."""
+    import struct
+
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+    x = pixels.astype(np.int32)
+    pred = np.concatenate([np.r_[128, x[:-1, 0]][:, None], x[:, :-1]], axis=1)
+    bits = []
+    for d in (x - pred).ravel().tolist():  # its category (4 bits, one code each), then its bits
+        cat = abs(d).bit_length()
+        bits.append(format(cat, "04b") + (format(d if d >= 0 else d + (1 << cat) - 1,
+                                                 f"0{cat}b") if cat else ""))
+    s = "".join(bits)
+    s += "1" * (-len(s) % 8)
+    data = int(s, 2).to_bytes(len(s) // 8, "big").replace(b"\xff", b"\xff\x00")
+    h, w = pixels.shape
+    return (b"\xff\xd8" + segment(0xC4, b"\x00" + bytes([0, 0, 0, 9] + [0] * 12) + bytes(range(9)))
+            + segment(0xC3, struct.pack(">BHHB", 8, h, w, 1) + b"\x01\x11\x00")
+            + segment(0xDA, b"\x01\x01\x00\x01\x00\x00") + data + b"\xff\xd9")
