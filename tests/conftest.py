@@ -252,6 +252,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_values_that_would_fail_later_are_refused_before_the_data_loads",
     ),
     "test_cuda_path.py": (
+        "test_a_streamed_batch_of_256_jpegs_crosses_from_the_workers_under_a_low_open_files_limit",
         "test_each_rank_draws_its_own_dropout_and_a_resumed_ddp_run_ends_where_it_would",
         "test_every_rank_takes_rank_0s_validation_figures_and_decisions",
         "test_resume_across_a_change_of_resolved_precision_warns_and_goes_on",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -332,3 +333,21 @@ def test_progressive_jpegs_are_decoded_in_the_workers_not_on_the_training_thread
         assert box[0] == -1 and torch.equal(x, ref[(i, 1)][0])
     baseline = jpeg_split(tmp_path / "b", 1)
     assert frame_marker(baseline.x.raw(0)) in GPU_FRAMES and EncodedStream(baseline, 0)[(0, 1)][1][0] >= 0
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="a GPU machine runs the check")
+def test_gpu_check_stops_at_once_in_one_line_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    t = time.monotonic()
+    done = subprocess.run(["make", "-s", "gpu-check", f"PY={sys.executable}",
+                           f"GPU_CHECK_OUT={tmp_path / 'out'}"], cwd=ROOT, capture_output=True,
+                          text=True, env={k: v for k, v in os.environ.items()
+                                          if k != "GPU_CHECK_DRY"})
+    assert time.monotonic() - t < 2 and done.returncode != 0
+    assert done.stderr.splitlines()[0].startswith("gpu-check: no NVIDIA GPU on this machine")
+    assert not (tmp_path / "out").exists()
