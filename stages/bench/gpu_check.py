@@ -83,7 +83,8 @@ def render(out: Path, steps: dict, dry: bool) -> str:
              f"tests: {count['passed']} passed, {count['failure'] + count['error']} failed, "
              f"{count['skipped']} skipped ({steps['tests']['seconds']} s, rc "
              f"{steps['tests']['rc']})"]
-    lines += [f"- FAILED {name}" for name, st, _ in cases if st in ("failure", "error")]
+    lines += [f"- {'FAILED' if st in ('failure', 'error') else st} {name} ({t:.0f} s)"
+              for name, st, t in cases]
     if (tolerance := out / "decode-tolerance.json").exists():
         lines.append(f"GPU vs CPU decode: {json.dumps(json.loads(tolerance.read_text()))}")
     lines += ["", f"| {bench.get('device', '?')} | samples/s | note |", "|---|---|---|"]
