@@ -144,7 +144,7 @@ def jpeg_shards(tmp_path_factory):
 # nvJPEG upsamples chroma by repeating samples, libjpeg-turbo (Pillow) by a smooth filter: on 4:2:0
 # noise the two decodes differ by levels per pixel. Bound on the mean absolute difference over
 # the JPEG samples of a batch (per image: PER_IMAGE); each run writes what it measured to
-# gpu-check/decode-tolerance.json (docs/data.md, "The GPU decode").
+# gpu-check/decode-tolerance.json (docs/data.md, "On a GPU, JPEGs decode there").
 BATCH_MEAN, PER_IMAGE = 4.0, 8.0
 
 
