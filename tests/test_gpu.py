@@ -142,10 +142,12 @@ def jpeg_shards(tmp_path_factory):
 
 
 # nvJPEG upsamples chroma by repeating samples, libjpeg-turbo (Pillow) by a smooth filter: on 4:2:0
-# noise the two decodes differ by levels per pixel. Bound on the mean absolute difference over
-# the JPEG samples of a batch (per image: PER_IMAGE); each run writes what it measured to
+# noise the two decodes differ by 12.6 levels a pixel on average, and after the crop and resize to
+# 32 px by 3.8 a pixel over these images, 6.8 at most for one image (estimated on the CPU from the
+# images' own chroma, both upsamplings, the same boxes and resize: docs/data.md). The bounds add
+# half again for the IDCTs' rounding; each run writes what it measured to
 # gpu-check/decode-tolerance.json (docs/data.md, "On a GPU, JPEGs decode there").
-BATCH_MEAN, PER_IMAGE = 4.0, 8.0
+BATCH_MEAN, PER_IMAGE = 6.0, 10.0
 
 
 def test_streamed_jpegs_decode_on_the_gpu_as_the_workers_would_crop_them(jpeg_shards):
