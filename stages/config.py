@@ -76,7 +76,7 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
 @dataclass
 class DataConfig:
     source: str = "digits"
-    root: str = "data/raw"
+    root: str = "data/raw/digits"
     image_size: int = 16
     channels: int = 1
     val_fraction: float = 0.1

@@ -7,7 +7,8 @@ every entry against this contract (a source that needs files it cannot write off
 writer of small ones there):
 
 - Signature: `(cfg: DataConfig, seed: int, scratch: Path) -> Loaded`. It reads `data.root`
-  (its raw data, or where a download goes) and the `data` section only; `scratch` is
+  (its raw data, or where a download goes: a folder of its own, prepare's only data
+  dependency in dvc.yaml) and the `data` section only; `scratch` is
   data/prepared/, where it may put memory-mapped `.<name>.npy` files (prepare removes them).
   One whose raw data is not under `data.root` (digits: scikit-learn's file) adds its case to
   `raw_data` below, the path MLflow's dataset record names (else that names `data.root`).
@@ -174,6 +175,14 @@ def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[st
     import torchvision.datasets as tvd
 
     cls = getattr(tvd, TORCHVISION[source])
+    own = {cls.base_folder, cls.filename} if source == "cifar10" else {cls.__name__}
+    others = sorted(p.name for p in root.iterdir() if p.name not in own
+                    and not p.name.startswith(".")) if root.is_dir() else []
+    if others:  # prepare depends on all of data.root (dvc.yaml): they would rerun it
+        raise DataError(f"data.root={str(root)!r} holds {', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''} beside {source}'s files; prepare "
+                        f"depends on the whole folder, so give {source} one of its own: "
+                        f"-S data.root=data/raw/{source}")
     try:
         parts = {name: cls(str(root), train=name == "train", download=True)
                  for name in ("train", "test")}

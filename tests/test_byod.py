@@ -194,6 +194,20 @@ def test_mnist_files_put_in_place_by_hand_are_used(tmp_path):
     assert meta["classes"][0].startswith("0")
 
 
+def test_a_torchvision_root_shared_with_other_data_is_refused_naming_it(tmp_path):
+    """prepare depends on all of data.root: a dataset beside MNIST's files would rerun it."""
+    from stages.lib.images import DataError
+    from stages.sources import load_torchvision
+
+    raw = tmp_path / "raw"
+    (raw / "MNIST/raw").mkdir(parents=True)
+    (raw / "shapes").mkdir()
+    (raw / ".gitignore").write_text("/shapes\n")  # hidden files are not data
+    with pytest.raises(DataError, match="holds shapes beside mnist's files.*"
+                       "-S data.root=data/raw/mnist"):
+        load_torchvision("mnist", raw)
+
+
 def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):
     from stages.lib.images import MAX_IMAGE_BYTES
     from tests.support.image_files import make_folder

@@ -331,8 +331,8 @@ def test_an_environment_variable_never_reaches_mlflow(tmp_path):
 
 
 @pytest.mark.parametrize("line, edited, expected", [
-    ("root: data/raw", "root: ${mlflow.experiment}", "data.root='${mlflow.experiment}'"),
-    ("root: data/raw", "root: '\\${escaped}'", "data.root="),
+    ("root: data/raw/digits", "root: ${mlflow.experiment}", "data.root='${mlflow.experiment}'"),
+    ("root: data/raw/digits", "root: '\\${escaped}'", "data.root="),
     ("  - 7\n", "  - ${oc.env:B,7}\n", "export.check_batch_sizes[1]='${oc.env:B,7}'"),
     ("experiment: reprotrain", "experiment: '???'", "mlflow.experiment='???'"),  # "the default"
     ("width: 32", "width: ${oc.env:W", "model.width='${oc.env:W'"),  # unclosed: OmegaConf can't parse

@@ -106,6 +106,19 @@ def test_the_code_writes_where_dvc_yaml_says():
     assert str(config.PREPARED) in stages["train"]["deps"]
 
 
+def test_a_dataset_added_beside_the_digits_leaves_their_prepare_up_to_date(tmp_path):
+    """Issue 57: prepare depended on all of data/raw, so a user's dataset there changed the
+    digits' prepare hash, and a clone's `dvc exp run --pull` pulled it and reran prepare."""
+    from tests.support.image_files import make_folder
+
+    repo = copy_repo(tmp_path)
+    env = env_with()
+    run(["dvc", "repro", "prepare"], repo, env=env)
+    make_folder(repo / "data/raw/shapes", per_class=2, bad=False)
+    p = run(["dvc", "status", "prepare"], repo, env=env)
+    assert "Data and pipelines are up to date." in p.stdout, p.stdout
+
+
 # The params keys no training reads, and the stage that declares each (mlflow: none, since
 # where a run is logged changes no output). Every other key decides the weights.
 NOT_TRAINING = {"data": "prepare", "eval": "evaluate", "export": "export", "mlflow": None}
