@@ -183,6 +183,16 @@ def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[st
                         f"{', ...' if len(others) > 3 else ''} beside {source}'s files; prepare "
                         f"depends on the whole folder, so give {source} one of its own: "
                         f"-S data.root=data/raw/{source}")
+    if source != "cifar10" and (found := idx_files(cls, root / cls.__name__ / "raw")):
+        return found, list(cls.classes)
+    if source == "cifar10" and (archive := root / cls.filename).is_file() \
+            and not (root / cls.base_folder).is_dir():
+        from torchvision.datasets.utils import calculate_md5
+
+        if (md5 := calculate_md5(str(archive))) != cls.tgz_md5:
+            raise DataError(f"{archive}: found, but its md5 is {md5}, not torchvision's "
+                            f"{cls.tgz_md5}: a partial or other download; put the file from "
+                            f"{cls.url} there, or its extracted {cls.base_folder}/ folder")
     try:
         parts = {name: cls(str(root), train=name == "train", download=True)
                  for name in ("train", "test")}
@@ -192,16 +202,60 @@ def load_torchvision(source: str, root: Path) -> tuple[dict[str, Split], list[st
                      f"{cls.base_folder}/ folder")
         else:
             files = ", ".join(name for name, _ in cls.resources)
-            where = (f"put {files} (from {cls.mirrors[0]}), or the same files extracted, "
-                     f"in {root}/{cls.__name__}/raw/")
-        raise DataError(f"data.source={source}: could not load or download it into {root} "
-                        f"({type(e).__name__}: {e}). Offline? {where}") from None
+            where = (f"put {files} (from {cls.mirrors[0]}, or a distribution's copies), "
+                     f"compressed or not, in {root}/{cls.__name__}/raw/")
+        reason = " ".join(str(e).split())  # torchvision's messages span lines
+        raise DataError(f"data.source={source}: its files are not in {root} and the download "
+                        f"failed ({type(e).__name__}: {reason}). Offline? {where}") from None
     out = {}
     for name, ds in parts.items():
         x = torch.as_tensor(np.asarray(ds.data))
         x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
         out[name] = Split(x.contiguous(), torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64))
     return out, [str(c) for c in parts["train"].classes]
+
+
+def idx_files(cls: type, raw: Path) -> dict[str, Split] | None:
+    """An MNIST-like dataset's four IDX files in `raw`, each extracted or gzipped: torchvision
+    checks only the MD5 of its own downloads' .gz files, and a distribution compresses them
+    again (same content, another MD5). Read in place, so prepare writes nothing in data.root,
+    its dependency. None when none is there (a download's turn)."""
+    names = [name.removesuffix(".gz") for name, _ in cls.resources]
+    paths = {n: next((p for p in (raw / n, raw / f"{n}.gz") if p.is_file()), None) for n in names}
+    if not any(paths.values()):
+        return None
+    missing = [n for n, p in paths.items() if p is None]
+    if missing:
+        raise DataError(f"{raw}: has {', '.join(p.name for p in paths.values() if p)} but not "
+                        f"{', '.join(missing)} (or its .gz); put it there")
+    arrays = [read_idx(paths[n]) for n in names]
+    out = {}
+    for name, x, y in (("train", *arrays[:2]), ("test", *arrays[2:])):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or int(y.max()) >= len(cls.classes):
+            raise DataError(f"{raw}: {name}'s images {x.shape} and labels {y.shape} (up to "
+                            f"{int(y.max())}) do not match {cls.__name__}'s "
+                            f"{len(cls.classes)} classes; replace them with the original files")
+        out[name] = Split(torch.from_numpy(x.copy()).unsqueeze(1),
+                          torch.from_numpy(y.astype(np.int64)))
+    return out
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """A uint8 IDX file (MNIST's format: two zero bytes, type 0x08, the number of dimensions,
+    each a big-endian uint32, the data), gzipped or not."""
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: found, but it cannot be read ({type(e).__name__}: {e}); "
+                        "replace it with the original file") from None
+    ndim = data[3] if len(data) > 3 else 0
+    dims = np.frombuffer(data[4:4 + 4 * ndim], dtype=">u4").tolist() if ndim else []
+    if data[:3] != b"\0\0\x08" or len(dims) != ndim or len(data) != 4 + 4 * ndim + int(np.prod(dims)):
+        raise DataError(f"{path}: found, but it is not a whole uint8 IDX file ({len(data)} bytes, "
+                        f"header {data[:4].hex()} {dims}): truncated or another file; replace "
+                        "it with the original file")
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
 def list_folder(root: Path) -> tuple[list[str], dict[str | None, Files]]:

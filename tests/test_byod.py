@@ -9,6 +9,7 @@ import shutil
 import struct
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +172,13 @@ def test_offline_torchvision_source_says_which_files_to_put_where(tmp_path):
     assert p.returncode == 1
     assert "Offline?" in p.stderr and "cifar-10-python.tar.gz" in p.stderr
     assert str(tmp_path / "raw") in p.stderr
+    assert len(p.stderr.splitlines()) == 1, p.stderr  # torchvision's message spans lines
+    (tmp_path / "raw").mkdir(exist_ok=True)
+    (tmp_path / "raw/cifar-10-python.tar.gz").write_bytes(b"a partial download")
+    p = prepare(tmp_path, check=False, env_extra={"http_proxy": closed, "https_proxy": closed},
+                **{"data.source": "cifar10", "data.root": str(tmp_path / "raw")})
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "cifar-10-python.tar.gz: found, but its md5 is" in p.stderr
 
 
 def _idx(path, array: np.ndarray) -> None:
@@ -192,6 +200,66 @@ def test_mnist_files_put_in_place_by_hand_are_used(tmp_path):
     meta = json.loads((tmp_path / "data/prepared/meta.json").read_text())
     assert meta["sizes"] == {"train": 90, "val": 10, "test": 30}  # MNIST's own test split kept
     assert meta["classes"][0].startswith("0")
+
+
+def _gzipped_fashion(raw, n_train=200, n_test=20) -> None:
+    """Fashion-MNIST's four files, small, gzipped again as a distribution does: torchvision's
+    MD5s of its own .gz files do not match them."""
+    import gzip
+
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        for kind, array in (("images-idx3", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)),
+                            ("labels-idx1", np.arange(n, dtype=np.uint8) % 10)):
+            _idx(raw / f"{prefix}-{kind}-ubyte", array)
+            path = raw / f"{prefix}-{kind}-ubyte"
+            (raw / f"{path.name}.gz").write_bytes(gzip.compress(path.read_bytes(), mtime=0))
+            path.unlink()
+
+
+CLOSED = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+
+
+def test_a_distributions_gzipped_files_are_read_in_place_and_a_bad_one_named(tmp_path, monkeypatch):
+    """Issue 57: Debian's Fashion-MNIST .gz files (compressed again) failed torchvision's MD5,
+    and the error, five lines of download attempts, never said a file was found."""
+    from stages.config import DataConfig
+    from stages.lib.images import DataError
+    from stages.sources import SOURCES
+
+    for k, v in CLOSED.items():
+        monkeypatch.setenv(k, v)
+    raw = tmp_path / "fashion/FashionMNIST/raw"
+    _gzipped_fashion(raw)
+    before = sorted(p.name for p in raw.iterdir())
+    cfg = DataConfig(source="fashion_mnist", root=str(tmp_path / "fashion"), image_size=28)
+    loaded = SOURCES["fashion_mnist"](cfg, 0, tmp_path / "scratch")
+    assert {k: len(v.y) for k, v in loaded.splits.items()} == {"train": 180, "val": 20, "test": 20}
+    assert loaded.classes[9] == "Ankle boot"
+    assert sorted(p.name for p in raw.iterdir()) == before  # nothing written in data.root
+    bad = raw / "t10k-images-idx3-ubyte.gz"
+    bad.write_bytes(bad.read_bytes()[:-40])
+    with pytest.raises(DataError) as err:
+        SOURCES["fashion_mnist"](cfg, 0, tmp_path / "scratch")
+    assert str(bad) in str(err.value) and "found" in str(err.value) and "\n" not in str(err.value)
+
+
+DEBIAN = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.mark.skipif(not DEBIAN.is_dir(), reason="Debian's dataset-fashion-mnist not installed")
+def test_debians_fashion_mnist_files_are_read_as_they_ship(tmp_path):
+    from stages.sources import load_torchvision
+
+    raw = tmp_path / "fashion/FashionMNIST/raw"
+    raw.mkdir(parents=True)
+    for f in DEBIAN.glob("*.gz"):
+        (raw / f.name).symlink_to(f)
+    parts, classes = load_torchvision("fashion_mnist", tmp_path / "fashion")
+    assert {k: v.x.shape for k, v in parts.items()} == {"train": (60000, 1, 28, 28),
+                                                         "test": (10000, 1, 28, 28)}
+    assert len(classes) == 10 and parts["test"].y.bincount().tolist() == [1000] * 10
 
 
 def test_a_torchvision_root_shared_with_other_data_is_refused_naming_it(tmp_path):
