@@ -29,6 +29,8 @@ from stages.sources import (
     leaks_in,
     list_folder,
     meta_of,
+    resize_line,
+    sample_sizes,
     split_folder,
 )
 
@@ -54,6 +56,8 @@ def main() -> None:
     # A folder listed once: at a million files the listing takes a while.
     folder = split_folder(cfg, params.seed) if cfg.source == "folder" else None
     count = sum(map(len, folder[1].values())) if folder else None
+    if folder and (line := resize_line(cfg, sample_sizes(folder[1]["train"]))):
+        print(line, flush=True)  # before the decoding, which takes a while
     fmt = resolve_format(cfg, count)
     if fmt == "tensors" and count is not None:
         check_memory(cfg, count)
@@ -63,6 +67,8 @@ def main() -> None:
         try:
             loaded = from_folder(cfg, params.seed, PREPARED, folder) if folder is not None \
                 else SOURCES[cfg.source](cfg, params.seed, PREPARED)
+            if loaded.native and (line := resize_line(cfg, {loaded.native: 1})):
+                print(line)
             meta = build_meta(loaded.splits, loaded.classes, cfg)
             rejected, leaks = loaded.rejected, loaded.leaks
             meta["rejected"] = len(rejected)

@@ -54,6 +54,7 @@ from stages.lib.images import (
     check_tree,
     decode_many,
     image_files,
+    open_image,
 )
 from stages.lib.paths import repo_root
 
@@ -64,16 +65,19 @@ class Loaded:
     classes: list[str]
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     leaks: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # sha256: (split, path)
+    native: tuple[int, int] | None = None  # (width, height) of every raw image, where one size
 
 
 def from_digits(cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
     x, y, classes = load_digits()
-    return Loaded(from_arrays(x, y, cfg, seed), classes)
+    return Loaded(from_arrays(x, y, cfg, seed), classes, native=(x.shape[-1], x.shape[-2]))
 
 
 def from_torchvision(source: str, cfg: DataConfig, seed: int, scratch: Path) -> Loaded:
     parts, classes = load_torchvision(source, Path(cfg.root))
-    return Loaded(from_arrays(parts["train"].x, parts["train"].y, cfg, seed, parts["test"]), classes)
+    x = parts["train"].x
+    return Loaded(from_arrays(x, parts["train"].y, cfg, seed, parts["test"]), classes,
+                  native=(x.shape[-1], x.shape[-2]))
 
 
 def from_folder(cfg: DataConfig, seed: int, scratch: Path,
@@ -90,6 +94,34 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path,
         rejected += bad
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)
     return Loaded(splits, classes, rejected, leaks_in(items, accepted))
+
+
+def sample_sizes(items: Files, sample: int = 256) -> dict[tuple[int, int], int]:
+    """How many of up to `sample` files, evenly spread over `items`, have each (width, height):
+    prepare's resize line, from headers only, in a second for any number of files."""
+    sizes: dict[tuple[int, int], int] = {}
+    for i in np.unique(np.linspace(0, len(items) - 1, min(sample, len(items))).astype(int)):
+        try:
+            with open_image(items.path(int(i))) as img:
+                sizes[img.size] = sizes.get(img.size, 0) + 1
+        except (DataError, OSError):  # decoding lists it in rejected.csv
+            pass
+    return sizes
+
+
+def resize_line(cfg: DataConfig, sizes: dict[tuple[int, int], int]) -> str | None:
+    """One line when prepare resizes the images, saying from what to what and the key that
+    keeps the native size; None when they are data.image_size already."""
+    size = cfg.image_size
+    if not sizes or set(sizes) == {(size, size)}:
+        return None
+    if len(sizes) == 1 and (native := next(iter(sizes)))[0] == native[1]:
+        return (f"prepare: resizing {native[0]}x{native[1]} -> {size}x{size} (data.image_size; "
+                f"-S data.image_size={native[0]} keeps the native size)")
+    (w, h), n = max(sizes.items(), key=lambda kv: kv[1])
+    return (f"prepare: resizing {len(sizes)} sizes (the most common {w}x{h}, {n} of "
+            f"{sum(sizes.values())} sampled) -> {size}x{size} by data.resize: {cfg.resize} "
+            "(data.image_size)")
 
 
 def check_rejected(rejected: list[tuple[str, str]], total: int, cfg: DataConfig) -> None:

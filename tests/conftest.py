@@ -242,6 +242,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_quick_bench_runs_every_row_and_writes_its_outputs",
         "test_storage_bench_times_both_remotes_and_leaves_nothing_behind",
     ),
+    "test_byod.py": "test_prepare_says_when_it_resizes_from_what_to_what_and_the_key_that_keeps_the_size",
     "test_checkpoints.py": (
         "test_kill_during_a_checkpoint_write_loses_nothing",
         "test_sigkill_then_rerun_resumes_to_identical_weights",

@@ -276,6 +276,24 @@ def test_a_torchvision_root_shared_with_other_data_is_refused_naming_it(tmp_path
         load_torchvision("mnist", raw)
 
 
+def test_prepare_says_when_it_resizes_from_what_to_what_and_the_key_that_keeps_the_size(tmp_path):
+    """Issue 57: 28x28 images shrank to the default 16x16 silently."""
+    from stages.config import DataConfig
+    from stages.sources import resize_line
+
+    p = prepare(tmp_path / "digits")
+    assert "prepare: resizing 8x8 -> 16x16 (data.image_size; -S data.image_size=8 keeps the " \
+        "native size)" in p.stdout.splitlines()
+    data = tmp_path / "shapes"
+    make_folder(data, per_class=10, bad=False)  # 32x32 images
+    p = prepare(tmp_path, **folder_params(data))
+    assert "prepare: resizing 32x32 -> 24x24" in p.stdout
+    assert resize_line(DataConfig(image_size=32), {(32, 32): 9}) is None
+    assert resize_line(DataConfig(image_size=32), {(720, 477): 5, (32, 32): 1}) == (
+        "prepare: resizing 2 sizes (the most common 720x477, 5 of 6 sampled) -> 32x32 by "
+        "data.resize: squash (data.image_size)")
+
+
 def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):
     from stages.lib.images import MAX_IMAGE_BYTES
     from tests.support.image_files import make_folder
