@@ -78,7 +78,7 @@ class DataConfig:
     source: str = "digits"
     root: str = "data/raw/digits"
     image_size: int = 16
-    channels: int = 1
+    channels: Union[int, str] = "auto"  # noqa: UP007 - auto: the source's own (prepare says which)
     val_fraction: float = 0.1
     test_fraction: float = 0.2
     resize: str = "squash"
@@ -102,7 +102,7 @@ class DataConfig:
         _require(0 <= self.max_rejected_fraction <= 1, "data.max_rejected_fraction",
                  self.max_rejected_fraction, "must be in [0, 1]")
         _require(4 <= self.image_size <= 1024, "data.image_size", self.image_size, "must be 4..1024")
-        _choice("data.channels", self.channels, (1, 3))
+        _choice("data.channels", self.channels, (1, 3, "auto"))
         for k in ("val_fraction", "test_fraction"):
             v = getattr(self, k)
             _require(0 < v < 1, f"data.{k}", v, "must be in (0, 1)")

@@ -28,7 +28,7 @@ from stages.config import ParamsError
 from stages.inference import model_input, onnx_runner, probabilities, read_spec, unlike_training
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
-from stages.lib.images import DataError, decode_image, image_files
+from stages.lib.images import DataError, decode_image, has_colour, image_files
 
 MODEL_SUFFIXES = (".onnx", ".pt2", ".safetensors")
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         probs = probabilities(run(x), len(x), spec, f"--model {args.model}", spec_path)
         for path, p, image, xi in zip(paths, probs, batch, x, strict=True):
             top = np.argsort(-p)[:k]
-            warning = unlike_training(image, xi, spec)
+            warning = unlike_training(image, xi, spec, channels == 1 and has_colour(path))
             if args.json:
                 print(json.dumps({"path": str(path), "label": classes[top[0]],
                                   "confidence": float(p[top[0]]),

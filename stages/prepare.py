@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from stages.sources import (
     list_folder,
     meta_of,
     resize_line,
-    sample_sizes,
+    sample_folder,
     split_folder,
 )
 
@@ -56,8 +57,14 @@ def main() -> None:
     # A folder listed once: at a million files the listing takes a while.
     folder = split_folder(cfg, params.seed) if cfg.source == "folder" else None
     count = sum(map(len, folder[1].values())) if folder else None
-    if folder and (line := resize_line(cfg, sample_sizes(folder[1]["train"]))):
-        print(line, flush=True)  # before the decoding, which takes a while
+    if folder:  # said before the decoding, which takes a while
+        sizes, colour = sample_folder(folder[1]["train"])
+        if cfg.channels == "auto":
+            cfg = replace(cfg, channels=3 if colour else 1)
+            print(f"data.channels: auto -> {cfg.channels}: {'some' if colour else 'none'} of "
+                  f"{sum(sizes.values())} images sampled hold colour", flush=True)
+        if line := resize_line(cfg, sizes):
+            print(line, flush=True)
     fmt = resolve_format(cfg, count)
     if fmt == "tensors" and count is not None:
         check_memory(cfg, count)
@@ -70,6 +77,8 @@ def main() -> None:
             if loaded.native and (line := resize_line(cfg, {loaded.native: 1})):
                 print(line)
             meta = build_meta(loaded.splits, loaded.classes, cfg)
+            if cfg.channels == "auto":
+                print(f"data.channels: auto -> {meta['channels']}: the source's own")
             rejected, leaks = loaded.rejected, loaded.leaks
             meta["rejected"] = len(rejected)
             meta["duplicates_across_splits"] = len(leaks)
@@ -82,7 +91,7 @@ def main() -> None:
                 scratch.unlink()
 
     print(f"prepared {cfg.source}: " + ", ".join(f"{k} {v}" for k, v in meta["sizes"].items())
-          + f"; {len(meta['classes'])} classes, {cfg.channels}x{cfg.image_size}x{cfg.image_size}")
+          + f"; {len(meta['classes'])} classes, {meta['channels']}x{cfg.image_size}x{cfg.image_size}")
     if rejected:
         print(f"warning: skipped {len(rejected)} unreadable files, listed in "
               f"{PREPARED / 'rejected.csv'}", file=sys.stderr)

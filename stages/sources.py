@@ -13,7 +13,8 @@ writer of small ones there):
   One whose raw data is not under `data.root` (digits: scikit-learn's file) adds its case to
   `raw_data` below, the path MLflow's dataset record names (else that names `data.root`).
 - Splits: `Loaded.splits` holds exactly "train", "val" and "test" (`data.SPLITS`), each a
-  `Split` with `x` uint8 `(N, data.channels, data.image_size, data.image_size)` and `y` int64
+  `Split` with `x` uint8 `(N, data.channels, data.image_size, data.image_size)` (auto: the
+  source's own channels) and `y` int64
   `(N,)` in `0..len(classes) - 1`; every class is in train. A dataset's own test split is kept;
   otherwise val and test are carved out stratified by `data.val_fraction`/`test_fraction`
   (`from_arrays` does both, and `resize` the `data.resize` policy).
@@ -34,7 +35,7 @@ import hashlib
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from stages.lib.images import (
     Files,
     check_tree,
     decode_many,
+    has_colour,
     image_files,
     open_image,
 )
@@ -85,6 +87,8 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path,
     """Class sub-folders of images under `data.root` (`folder`: split_folder's, when done),
     optionally already split into train/val/test; decoded into memory-mapped files in `scratch`."""
     classes, items = folder or split_folder(cfg, seed)
+    if cfg.channels == "auto":  # prepare resolves it first, and says so
+        cfg = replace(cfg, channels=3 if sample_folder(items["train"])[1] else 1)
     workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     scratch.mkdir(parents=True, exist_ok=True)
     splits, rejected, accepted = {}, [], {}
@@ -96,17 +100,21 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path,
     return Loaded(splits, classes, rejected, leaks_in(items, accepted))
 
 
-def sample_sizes(items: Files, sample: int = 256) -> dict[tuple[int, int], int]:
-    """How many of up to `sample` files, evenly spread over `items`, have each (width, height):
-    prepare's resize line, from headers only, in a second for any number of files."""
+def sample_folder(items: Files, sample: int = 256) -> tuple[dict[tuple[int, int], int], bool]:
+    """How many of up to `sample` files, evenly spread over `items`, have each (width, height),
+    and whether any holds colour: prepare's resize line and data.channels: auto, in seconds for
+    any number of files."""
     sizes: dict[tuple[int, int], int] = {}
+    colour = False
     for i in np.unique(np.linspace(0, len(items) - 1, min(sample, len(items))).astype(int)):
+        path = items.path(int(i))
         try:
-            with open_image(items.path(int(i))) as img:
+            with open_image(path) as img:
                 sizes[img.size] = sizes.get(img.size, 0) + 1
+            colour = colour or has_colour(path)
         except (DataError, OSError):  # decoding lists it in rejected.csv
             pass
-    return sizes
+    return sizes, colour
 
 
 def resize_line(cfg: DataConfig, sizes: dict[tuple[int, int], int]) -> str | None:
@@ -181,11 +189,12 @@ def digits_file() -> Path:
 def from_arrays(x: Tensor, y: Tensor, cfg: DataConfig, seed: int,
                 test: Split | None = None) -> dict[str, Split]:
     """Resize, then split stratified; a dataset's own test split is kept as given."""
-    x = resize(x, cfg.image_size, cfg.channels)
+    channels = x.shape[1] if cfg.channels == "auto" else cfg.channels
+    x = resize(x, cfg.image_size, channels)
     parts = stratified_split(y, cfg.val_fraction, 0.0 if test else cfg.test_fraction, seed)
     splits = {name: Split(x[parts[name]], y[parts[name]]) for name in SPLITS}
     if test:
-        splits["test"] = Split(resize(test.x, cfg.image_size, cfg.channels), test.y)
+        splits["test"] = Split(resize(test.x, cfg.image_size, channels), test.y)
     return splits
 
 
@@ -456,7 +465,7 @@ def meta_of(total: Tensor, squares: Tensor, n: int, labels: dict[str, Tensor],
     return {
         "source": cfg.source,
         "classes": classes,
-        "channels": cfg.channels,
+        "channels": len(total),  # data.channels resolved
         "image_size": cfg.image_size,
         "resize": cfg.resize,
         "mean": mean.tolist(),

@@ -25,7 +25,7 @@ GIT_ID = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
 
 def digits_data() -> tuple[dict[str, Split], dict]:
     """The digits as prepare splits them with the default params: (splits, meta)."""
-    cfg = DataConfig()
+    cfg = DataConfig(channels=1)  # the digits' own, as auto resolves them
     x, y, classes = load_digits()
     x = resize(x, cfg.image_size, cfg.channels)
     parts = stratified_split(y, cfg.val_fraction, cfg.test_fraction, seed=0)

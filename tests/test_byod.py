@@ -281,17 +281,43 @@ def test_prepare_says_when_it_resizes_from_what_to_what_and_the_key_that_keeps_t
     from stages.config import DataConfig
     from stages.sources import resize_line
 
-    p = prepare(tmp_path / "digits")
+    p = prepare(tmp_path / "digits", **{"data.channels": "auto"})
     assert "prepare: resizing 8x8 -> 16x16 (data.image_size; -S data.image_size=8 keeps the " \
         "native size)" in p.stdout.splitlines()
+    assert "data.channels: auto -> 1: the source's own" in p.stdout  # issue 57, annoying 5
     data = tmp_path / "shapes"
-    make_folder(data, per_class=10, bad=False)  # 32x32 images
-    p = prepare(tmp_path, **folder_params(data))
+    make_folder(data, per_class=10, bad=False)  # 32x32 colour images, 21 in train
+    p = prepare(tmp_path, **folder_params(data, **{"data.channels": "auto"}))
     assert "prepare: resizing 32x32 -> 24x24" in p.stdout
+    assert "data.channels: auto -> 3: some of 21 images sampled hold colour" in p.stdout
+    assert json.loads((tmp_path / "data/prepared/meta.json").read_text())["channels"] == 3
     assert resize_line(DataConfig(image_size=32), {(32, 32): 9}) is None
     assert resize_line(DataConfig(image_size=32), {(720, 477): 5, (32, 32): 1}) == (
         "prepare: resizing 2 sizes (the most common 720x477, 5 of 6 sampled) -> 32x32 by "
         "data.resize: squash (data.image_size)")
+
+
+def test_auto_channels_follow_the_folder_and_warnings_fire_only_out_of_distribution(tmp_path):
+    """Issue 57: the recipe's data.channels=3 made a grayscale folder's model warn on each of
+    its own test images, and a colour photo given to it got no warning."""
+    import random
+
+    from stages.inference import unlike_training
+    from stages.lib.images import Files, has_colour
+    from stages.sources import sample_folder
+
+    rng = random.Random(0)
+    grey, colour = tmp_path / "grey.png", tmp_path / "colour.jpg"
+    draw("circle", rng).convert("L").convert("RGB").save(grey)  # stored as RGB, no colour
+    draw("circle", rng).save(colour, quality=90)
+    assert not has_colour(grey) and has_colour(colour)
+    assert sample_folder(Files.of([str(grey)] * 3, 0)) == ({(32, 32): 3}, False)
+    assert sample_folder(Files.of([str(grey), str(colour)], 0))[1]
+    spec = {"mean": [0.0], "std": [1.0]}
+    x = np.zeros((1, 8, 8), np.float32)  # the training mean: no brightness warning
+    assert unlike_training(np.zeros((1, 8, 8), np.uint8), x, spec, colour=False) is None
+    assert "in color and the model takes grayscale" in unlike_training(
+        np.zeros((1, 8, 8), np.uint8), x, spec, colour=True)
 
 
 def test_an_oversized_image_file_is_rejected_and_listed(tmp_path):

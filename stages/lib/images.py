@@ -250,6 +250,18 @@ def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0
                             "its pixels do not decode; save or copy it again") from None
 
 
+# How far apart red, green and blue may be in a grey pixel: JPEG's chroma rounding leaves a
+# grey photo saved in colour a few levels apart.
+GREY_LEVELS = 8
+
+
+def has_colour(source: str | Path | bytes) -> bool:
+    """Whether an image holds colour (a pixel whose red, green and blue differ by more than
+    GREY_LEVELS): what data.channels: auto goes by, and predict's check for a grayscale model."""
+    a = np.asarray(decode_pixels(source, 3, draft=64)[0], dtype=np.int16)
+    return int((a.max(axis=2) - a.min(axis=2)).max()) > GREY_LEVELS
+
+
 def fit(img: Image.Image, size: int, resize: str) -> np.ndarray:
     """uint8 (C, size, size): `data.resize`'s policy, squash or center_crop."""
     if resize == "center_crop":

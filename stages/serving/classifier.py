@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stages import inference  # the functions `python -m stages.predict` runs too
-from stages.lib.images import ACCEPTED, DataError, decode_image, open_image
+from stages.lib.images import ACCEPTED, DataError, decode_image, has_colour, open_image
 
 # Bounds on one request: its images, each image's pixels and all its images' pixels (read from
 # the headers, before any image is decoded: Pillow's own bomb limit only warns up to 179
@@ -109,8 +109,9 @@ class Classifier:
                                      self.spec_path)
         classes = self.spec["classes"]
         out = []
-        for p, image, xi in zip(probs, images, x, strict=True):
-            warning = inference.unlike_training(image, xi, self.spec)
+        for p, image, xi, data in zip(probs, images, x, files, strict=True):
+            warning = inference.unlike_training(image, xi, self.spec,
+                                                channels == 1 and has_colour(data))
             out.append({"label": classes[p.argmax()], "probability": float(p.max()),
                         "probabilities": dict(zip(classes, map(float, p), strict=True))}
                        | ({"warning": warning} if warning else {}))
