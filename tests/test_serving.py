@@ -241,11 +241,14 @@ def test_the_champion_is_registered_on_the_server_and_nothing_stays_local(logged
         assert not f.is_file() or registry.password.encode() not in f.read_bytes(), f
 
 
-def test_make_serve_answers_ping_and_says_what_it_serves(server, registry):
+def test_make_serve_answers_ping_and_says_what_it_serves(server, registry, champion):
     with urllib.request.urlopen(f"{server['base']}/ping", timeout=30) as r:
         assert r.status == 200
     said = "".join(server["out"])
-    assert said.startswith(f"serving {NAME} version 1 (champion) on {server['base']}"), said
+    assert said.startswith(f"serving {NAME} version 1 (champion) on {server['base']}: 10 classes "
+                           "(0, 1, 2, 3, 4, 5, 6, 7, 8, 9), from run "), said  # issue 57
+    run_id = json.loads((champion[0] / "models/train/run.json").read_text())["run_id"]
+    assert f"from run {run_id} (" in said, said
     assert registry.password not in said
     # The model server, which decodes what any client sends, holds no login to the registry.
     (pid,) = [pid for pid, cmd in command_lines().items()

@@ -51,6 +51,12 @@ def curl_line(base: str) -> str:
             f"\"{{\\\"inputs\\\": [\\\"$(base64 -w0 {shlex.quote(str(sample))})\\\"]}}\"")
 
 
+def served_classes(classes: list[str], shown: int = 10) -> str:
+    """`3 classes (circle, square, triangle)`: which model it is, at a glance."""
+    more = f", ... {len(classes) - shown} more" if len(classes) > shown else ""
+    return f"{len(classes)} classes ({', '.join(classes[:shown])}{more})"
+
+
 def server_env() -> dict[str, str]:
     """What the model server process needs of this environment (this venv's PATH, Python's and
     the math libraries' settings, the locale), nothing else: it never reads the registry, and it
@@ -244,9 +250,9 @@ def port_free(port: int) -> bool:
 def serve(name: str, work: Path, args) -> None:
     from stages.lib.processes import private_folder, started
 
-    number, files = champion_files(name, work / "registry", args.alias)
+    number, files, run = champion_files(name, work / "registry", args.alias)
     # Checked here, as predict checks them, so that a bad file is one line, not a dead server.
-    Classifier(files / "model.json", files / "model.onnx")
+    classes = Classifier(files / "model.json", files / "model.onnx").spec["classes"]
     what = f"{name} version {number} ({args.alias})"
     if args.save or args.dockerfile:
         folder = save_served(files, args.save or work / "model")
@@ -266,7 +272,8 @@ def serve(name: str, work: Path, args) -> None:
     # Not in `work`: a server that failed keeps its log, which says why (`started` removes it
     # after a clean stop).
     log = private_folder("serve") / "serve.log"
-    print(f"serving {what} on {base} (its log: {log})", flush=True)
+    print(f"serving {what} on {base}: {served_classes(classes)}, from {run} (its log: {log})",
+          flush=True)
     with started("model server", serve_command(files, args.port), server_env(), log,
                  f"{base}/ping", args.timeout, f"its log: {log}") as server:
         print("ready (Ctrl-C stops it). Classify an image:")

@@ -78,9 +78,9 @@ def package_copy(dest: Path) -> Path:
     return package
 
 
-def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:
-    """The version number `alias` points at, and its model.onnx and model.json downloaded to
-    `dest`."""
+def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path, str]:
+    """The version number `alias` points at, its model.onnx and model.json downloaded to
+    `dest`, and the run that made it (its id and name)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -102,7 +102,19 @@ def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int,
                             f"({tracking.reason(e)}): it is not a model this export logged (an "
                             "mlflow.pytorch model from before?); serve another version with "
                             "--alias candidate, or move the alias") from None
-    return int(found.version), dest / "artifacts"
+    return int(found.version), dest / "artifacts", run_named(found.run_id)
+
+
+def run_named(run_id: str) -> str:
+    """`run <id> (<name>)`, what the MLflow UI's runs table shows; the id alone where the run
+    cannot be read (deleted, or a login that may read the registry only)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return f"run {run_id} ({mlflow.MlflowClient().get_run(run_id).info.run_name})"
+    except MlflowException:
+        return f"run {run_id}"
 
 
 def lookup_failed(e: Exception, name: str, alias: str, uri: str) -> str:
@@ -153,7 +165,7 @@ def quiet_type_hints() -> Iterator[None]:
 
 def champion_model(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:
     """The version `alias` points at and a folder to serve it from (the module's docstring)."""
-    number, files = champion_files(name, dest / "registry", alias)
+    number, files, _ = champion_files(name, dest / "registry", alias)
     return number, save_served(files, dest / "model")
 
 
