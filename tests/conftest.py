@@ -268,6 +268,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_two_gloo_processes_train_the_stage_like_one",
     ),
     "test_export.py": (
+        "test_an_export_that_logs_the_model_prints_no_mlflow_info_line",
         "test_a_stage_over_an_immutable_output_keeps_all_its_previous_outputs",
         "test_an_opset_the_exporter_cannot_write_fails_and_keeps_the_export",
         "test_check_batch_sizes_beyond_the_test_split_fail_before_any_write",

@@ -141,6 +141,14 @@ def test_the_onnx_file_has_the_opset_model_json_names(exported_ws, tmp_path, mlf
     assert onnx_opset(w / "models/export/model.onnx") == 20
 
 
+def test_an_export_that_logs_the_model_prints_no_mlflow_info_line(exported_ws, tmp_path, mlflow_uri):
+    """Issue 57: every export printed `INFO mlflow.models.signature: Running the predict
+    function to generate output based on input example`."""
+    w = copy_of(exported_ws, tmp_path / "w", **{"export.log_model": "true"})
+    p = stage(w, "export", mlflow_uri, check=True)
+    assert "mlflow.models.signature" not in p.stderr and " INFO " not in p.stderr, p.stderr
+
+
 # ------------------------------------------------------------ export.check_batch_sizes
 
 

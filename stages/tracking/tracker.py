@@ -45,6 +45,9 @@ os.environ.setdefault("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
 logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 # Its logging thread logs each batch a gone server refused; the Tracker spools them instead.
 logging.getLogger("mlflow.utils.async_logging.async_logging_queue").setLevel(logging.CRITICAL)
+# Every export's log_model ran the model on its input example, to infer the output's schema, and
+# said so at INFO: a line on each export that asks nothing of the user. Its warnings still show.
+logging.getLogger("mlflow.models.signature").setLevel(logging.WARNING)
 
 
 class Tracker:
