@@ -95,6 +95,14 @@ def check_checkpoint_root(root: Path, workspace: Path, data_root: str) -> None:
             refuse(f"holds files git tracks ({listed.stdout.split(chr(0))[0]})")
 
 
+def described(decisive: dict, meta: dict) -> dict:
+    """What owner.json records of a run, for the note that names what another run differs in:
+    the params that key it, and the data it trained on (the key holds the data's sha256; the
+    source, channels and size say which data, the sha256's head any other change)."""
+    return decisive | {f"data.{k}": meta.get(k) for k in ("source", "channels", "image_size")} \
+        | {"data.sha256": str(meta.get("sha256"))[:12]}
+
+
 def open_run_dir(run_dir: Path, workspace: Path, decisive: dict) -> None:
     """Claim a new run folder: owner.json, written before any checkpoint, is what later proves
     that this workspace made it (a shared checkpoint folder holds other projects' too)."""

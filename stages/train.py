@@ -18,6 +18,7 @@ from stages import distributed, tracking, weights
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,
+    described,
     latest_checkpoint,
     open_run_dir,
     remove_run,
@@ -121,8 +122,8 @@ def checkpoint_run(started: dict, meta: dict, checkpoint_dir: str, rank: int,
     else:  # rank 0's checkpoint for every rank: the others may run on machines without it
         resume = distributed.from_rank0(checkpoint_or_error(ckpt_dir) if rank == 0 else None)
     if resume is None and rank == 0:
-        tidy_other_runs(ckpt_dir, workspace, decisive)
-        open_run_dir(ckpt_dir, workspace, decisive)
+        tidy_other_runs(ckpt_dir, workspace, described(decisive, meta))
+        open_run_dir(ckpt_dir, workspace, described(decisive, meta))
     return key, ckpt_dir, resume
 
 

@@ -23,6 +23,7 @@ from stages.checkpoints import (
     STALE_RUN_S,
     CheckpointError,
     check_checkpoint_root,
+    described,
     latest_checkpoint,
     open_run_dir,
     remove_run,
@@ -164,6 +165,21 @@ def test_pruning_removes_only_stale_runs_this_workspace_wrote(tmp_path, capsys):
     assert len(err) == 2 and "removed 2 unfinished runs" in err[0]
     assert str(ours[0]) in err[1] and f"and {KEEP_OTHER_RUNS + 1} older" in err[1]
     assert "lr: 0.001 -> 0.5" in err[1]
+
+
+def test_the_starting_afresh_note_names_every_difference_data_included(tmp_path, capsys):
+    """Issue 57: the note named `epochs: 30 -> 1` only, though the data's source, channels and
+    size differed too."""
+    workspace, root = tmp_path / "repo", tmp_path / "ckpt"
+    digits = {"source": "digits", "channels": 1, "image_size": 16, "sha256": "a" * 64}
+    fashion = {"source": "fashion_mnist", "channels": 1, "image_size": 28, "sha256": "b" * 64}
+    theirs = root / ("1" * 16)
+    open_run_dir(theirs, workspace, described({"epochs": 30}, digits))
+    (theirs / "epoch-0001.pt").write_bytes(b"x")
+    tidy_other_runs(root / ("2" * 16), workspace, described({"epochs": 1}, fashion))
+    (note,) = capsys.readouterr().err.splitlines()
+    assert "epochs: 30 -> 1, data.source: 'digits' -> 'fashion_mnist', data.image_size: 16 -> " \
+        "28, data.sha256: 'aaaaaaaaaaaa' -> 'bbbbbbbbbbbb'" in note, note
 
 
 def test_a_finished_run_removes_its_own_files_only(tmp_path):
