@@ -63,9 +63,9 @@ def main() -> None:
             cfg = replace(cfg, channels=3 if colour else 1)
             print(f"data.channels: auto -> {cfg.channels}: {'some' if colour else 'none'} of "
                   f"{sum(sizes.values())} images sampled hold colour", flush=True)
-        if line := resize_line(cfg, sizes):
-            print(line, flush=True)
     fmt = resolve_format(cfg, count)
+    if folder and (line := resize_line(cfg, sizes)):
+        print(line, flush=True)
     if fmt == "tensors" and count is not None:
         check_memory(cfg, count)
     if fmt == "shards":
