@@ -25,7 +25,7 @@ from stages.checkpoints import (
     tidy_other_runs,
 )
 from stages.config import PREPARED, TRAIN_DIR, Params, ParamsError, flatten, load_params, params_hash
-from stages.data import load_meta, load_split
+from stages.data import load_meta, load_split, resolve_workers
 from stages.lib.cli import STAGE_TIMES, run_stage
 from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, csv_text, json_text, text_writer
@@ -97,8 +97,11 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         write_outputs(result, params, meta, run, world)
 
     remove_run(ckpt_dir, repo_root())  # complete: model.pt holds the result
-    print(f"trained {params.model.arch} on {result.device} ({result.precision}, "
-          f"{result.loader} loader): best val_acc {result.best_val_acc:.4f} at epoch "
+    workers = workers_used(params, result)
+    plural = "" if workers == 1 else "s"
+    print(f"trained {params.model.arch} on {result.device} ({result.precision}, {result.loader} "
+          f"loader{f', {workers} worker{plural}' if result.loader != 'device' else ''}): best "
+          f"val_acc {result.best_val_acc:.4f} at epoch "
           f"{result.best_epoch}, {result.loop_s:.1f}s")
 
 
@@ -127,6 +130,11 @@ def checkpoint_run(started: dict, meta: dict, checkpoint_dir: str, rank: int,
     return key, ckpt_dir, resume
 
 
+def workers_used(params: Params, result: TrainResult) -> int:
+    """The loader's worker processes (train.num_workers, auto resolved); none on the device."""
+    return 0 if result.loader == "device" else resolve_workers(params.train.num_workers)
+
+
 def run_tags(key: str, meta: dict, world: int) -> dict:
     return {"git_commit": tracking.git_commit(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME"),
             "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
@@ -152,8 +160,10 @@ def write_outputs(result: TrainResult, params: Params, meta: dict, run: tracking
                         TRAIN_DIR / "history.csv": text_writer(history),
                         TRAIN_DIR / "made_on.json": text_writer(json_text(where))})
     STAGE_TIMES["loop_s"] = result.loop_s
+    # What each `auto` resolved to (the params keep `auto`: a reopened run's are compared).
     run.set_tags({"device": result.device, "precision": result.precision,
-                  "loader": result.loader, **where})
+                  "loader": result.loader, "num_workers": workers_used(params, result),
+                  "data.channels": meta["channels"], **where})
     run.log_metrics(metrics | {"train_s": result.loop_s, "samples_per_s":
                                statistics.median(r["samples_per_s"] for r in result.history)})
     for name in ("metrics.json", "history.csv", "made_on.json"):

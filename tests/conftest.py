@@ -350,6 +350,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_without_a_login_or_with_a_wrong_one_the_refusal_is_one_line",
     ),
     "test_shards.py": (  # each prepares or trains in processes of its own
+        "test_training_on_shards_says_and_records_how_many_workers_auto_gave",
         "test_a_format_changed_back_leaves_only_the_new_one",
         "test_a_folder_whose_decoded_splits_exceed_memory_is_refused_before_decoding",
         "test_a_shard_cut_short_under_training_workers_ends_it_in_one_line_naming_it",

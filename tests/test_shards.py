@@ -100,6 +100,25 @@ def test_the_loader_and_the_format_must_match_in_one_line(both):
         "holds shards" in one_error_line(p.stderr), p.stderr
 
 
+def test_training_on_shards_says_and_records_how_many_workers_auto_gave(both, tmp_path):
+    """Issue 57: the stream loader's line said no number, and MLflow recorded
+    `train.num_workers auto`."""
+    import mlflow
+
+    from stages.data import resolve_workers
+
+    sw, _ = both["shards"]
+    set_params(sw / "params.yaml", {"epochs": "1", "model.width": "8"})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    p = run([sys.executable, "-m", "stages.train"], sw,
+            env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, REPROTRAIN_WARM="0"))
+    n = resolve_workers("auto")
+    assert f", stream loader, {n} worker{'' if n == 1 else 's'}): " in p.stdout, p.stdout
+    run_id = json.loads((sw / "models/train/run.json").read_text())["run_id"]
+    tags = mlflow.MlflowClient(uri).get_run(run_id).data.tags
+    assert tags["num_workers"] == str(n) and tags["data.channels"] == "3"
+
+
 def test_auto_keeps_a_small_folder_in_tensors_and_says_why(tmp_path):
     w = folder_workspace(tmp_path / "w")
     make_folder(w / "raw", 8, bad=False)
