@@ -435,6 +435,16 @@ def test_a_hung_storage_ends_the_sweep_in_seconds_with_one_line(tmp_path):
     assert "1 local worker" in plan and "postgresql storage" in plan and "optuna@" not in plan
 
 
+def test_one_worker_is_singular_and_the_docs_sqlite_study_is_ignored_by_git():
+    """Issue 57: `on 1 local workers`, and docs/sweeps.md's `sqlite:///sweep.db` left an
+    untracked file in `git status`."""
+    from stages.sweep.launch import workers_text
+
+    assert workers_text(1, "local") == "1 local worker"
+    assert workers_text(4, "slurm") == "4 slurm workers"
+    assert subprocess.run(["git", "check-ignore", "-q", "sweep.db"], cwd=ROOT).returncode == 0
+
+
 def test_the_trials_table_shows_the_objective_s_whole_name():
     """The header was cut to `best_va`; the values line up under the whole name."""
     import optuna

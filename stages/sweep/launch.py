@@ -44,8 +44,8 @@ def run(path: Path, trials: int | None, workers: int, launcher: str, storage: st
     optuna_study = create_study(uri, name, spec, about)
     log_dir = (workdir / name).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"study {name} in {shown(uri)}: {spec['trials']} trials of {commit[:7]} on {workers} "
-          f"{launcher} workers; logs in {log_dir}", flush=True)
+    print(f"study {name} in {shown(uri)}: {spec['trials']} trials of {commit[:7]} on "
+          f"{workers_text(workers, launcher)}; logs in {log_dir}", flush=True)
     with tracking.start_run(params.mlflow, name=name, tags={
             "sweep_file": str(path), "optuna_study": name, "optuna_storage": shown(uri),
             "sweep_space": json.dumps(spec["space"])}) as parent:
@@ -126,6 +126,10 @@ def pinned_commit(remote: str) -> tuple[str, str]:
     return url, commit
 
 
+def workers_text(workers: int, launcher: str) -> str:
+    return f"{workers} {launcher} worker{'' if workers == 1 else 's'}"
+
+
 def plan(name: str, spec: dict, params, commit: str, workers: int, launcher: str, uri: str) -> str:
     """What the sweep will do, in one line, before it starts: no secrets (the storage's kind)."""
     epochs = spec["space"].get("epochs")
@@ -135,8 +139,8 @@ def plan(name: str, spec: dict, params, commit: str, workers: int, launcher: str
     swept = ", ".join(spec["space"])
     kind = uri.split(":", 1)[0].split("+", 1)[0]
     return (f"sweep {name}: {spec['trials']} trials x {epochs} epochs of {commit[:7]} over {swept}, "
-            f"{obj['direction']} {obj['metric']} ({obj['file']}), {workers} {launcher} "
-            f"worker{'s' if workers > 1 else ''}, study in {kind} storage")
+            f"{obj['direction']} {obj['metric']} ({obj['file']}), "
+            f"{workers_text(workers, launcher)}, study in {kind} storage")
 
 
 def flat_spec(spec: dict) -> dict[str, Any]:
