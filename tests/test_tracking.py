@@ -51,6 +51,23 @@ def test_a_refused_metric_never_drops_the_others(mlflow_uri, monkeypatch):
     assert r.info.status == "FINISHED"
 
 
+def test_the_runs_table_shows_each_runs_data_source(mlflow_uri, monkeypatch):
+    """Issue 57: DVC's random run names (`tubby-oast`) hid which run trained on Fashion-MNIST."""
+    import json
+
+    from stages.config import Params, flatten
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    with tracking.start_run(MlflowConfig(experiment="sources")) as run:
+        run.log_params(flatten(Params()))  # as train logs them
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("sources")
+    view = json.loads(exp.tags["mlflow.sharedViewState.reprotrain"])
+    (column,) = [c for c in view["selectedColumns"] if "data.source" in c]
+    key = column.removeprefix("params.").strip("`")
+    assert client.get_run(run.run_id).data.params[key] == "digits"
+
+
 def test_class_folders_named_with_any_character_are_evaluated_and_logged(tmp_path, digits,
                                                                          mlflow_uri):
     """Train and evaluate for real on digits whose classes carry the characters MLflow refuses

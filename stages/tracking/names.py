@@ -18,9 +18,12 @@ from stages.metrics import MLFLOW_NAMES
 
 # MLflow 3.17's UI opens experiments in GenAI mode (Traces, Latency, Token Usage) and its runs
 # table with no params or metrics. The experiment says it is model training, and carries a
-# shared view of the runs table with the columns worth comparing; `make ui` prints its URL.
+# shared view of the runs table with the columns worth comparing; `make ui` prints its URL. The
+# data source among them: a DVC experiment's run is named after it (`tubby-oast`), which says
+# nothing of the data it trained on.
 VIEW = "reprotrain"
-VIEW_COLUMNS = ["attributes.`Duration`", "params.`lr`", "params.`epochs`", "params.`batch_size`",
+VIEW_COLUMNS = ["attributes.`Duration`", "params.`data.source`", "params.`lr`", "params.`epochs`",
+                "params.`batch_size`",
                 "metrics.`eval/accuracy`", "metrics.`eval/macro_f1`", "metrics.`eval/loss`",
                 "metrics.`val/best_acc`"]
 EXPERIMENT_TAGS = {
