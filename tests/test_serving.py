@@ -209,6 +209,19 @@ def test_export_logs_the_served_model_as_code_with_an_example(logged_in, tmp_pat
     assert sig is not None and sig.inputs is not None and sig.outputs is not None
 
 
+def test_a_models_own_test_image_makes_the_example_request_of_a_non_digits_model(logged_in,
+                                                                                  tmp_path):
+    """Issue 57: a Fashion model's `make serve` printed its example with data/samples/7.png, a
+    digit. A model of other classes gets one of its own test images, from its input example."""
+    from stages.serving.app import curl_line
+    from stages.serving.registry import example_image
+
+    png = example_image(NAME, 1, tmp_path)
+    assert png == tmp_path / "example.png" and Image.open(png).size == (16, 16)
+    assert f"$(base64 -w0 {png})" in curl_line("http://127.0.0.1:1", png)
+    assert example_image(NAME, 99, tmp_path / "none") is None  # no such version: the fallback
+
+
 def test_the_printed_curl_line_works_as_printed(server, champion):
     p = subprocess.run(["bash", "-c", server["out"][-1]], cwd=champion[0], capture_output=True,
                        text=True, timeout=60)

@@ -30,9 +30,10 @@ from pathlib import Path
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
 from stages.serving.classifier import FIX, BadInput, Classifier
-from stages.serving.registry import champion_files, registered_name, save_served
+from stages.serving.registry import champion_files, example_image, registered_name, save_served
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
+DIGITS = [str(d) for d in range(10)]  # the classes SAMPLE is one of
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
 # server reads any body whole: 200 MB cost 7 s before its 400). 1024 digits take 0.5 MB;
 # photos are resized before they are sent (MAX_PIXELS in stages/serving/classifier.py).
@@ -44,9 +45,9 @@ SERVER_VARIABLES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ",
 SERVER_PREFIXES = ("LC_", "PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_")
 
 
-def curl_line(base: str) -> str:
-    """A request that works as printed in bash: one of the sample images, base64 on the fly."""
-    sample = SAMPLE.relative_to(Path.cwd()) if SAMPLE.is_relative_to(Path.cwd()) else SAMPLE
+def curl_line(base: str, sample: Path = SAMPLE) -> str:
+    """A request that works as printed in bash: an image file, base64 on the fly."""
+    sample = sample.relative_to(Path.cwd()) if sample.is_relative_to(Path.cwd()) else sample
     return (f"curl -s {base}/invocations -H 'Content-Type: application/json' -d "
             f"\"{{\\\"inputs\\\": [\\\"$(base64 -w0 {shlex.quote(str(sample))})\\\"]}}\"")
 
@@ -274,10 +275,14 @@ def serve(name: str, work: Path, args) -> None:
     log = private_folder("serve") / "serve.log"
     print(f"serving {what} on {base}: {served_classes(classes)}, from {run} (its log: {log})",
           flush=True)
+    # The digits' sample, or one of the served model's own test images: its input example.
+    sample = SAMPLE if classes == DIGITS else example_image(name, number, log.parent)
     with started("model server", serve_command(files, args.port), server_env(), log,
                  f"{base}/ping", args.timeout, f"its log: {log}") as server:
-        print("ready (Ctrl-C stops it). Classify an image:")
-        print(curl_line(base), flush=True)
+        print("ready (Ctrl-C stops it). Classify an image"
+              + (":" if sample == SAMPLE else " (one of the model's own test images):"
+                 if sample else f" of {served_classes(classes)}:"))
+        print(curl_line(base, sample or Path("your-image.png")), flush=True)
         server.wait()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 import os
 import shutil
@@ -103,6 +104,23 @@ def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int,
                             "mlflow.pytorch model from before?); serve another version with "
                             "--alias candidate, or move the alias") from None
     return int(found.version), dest / "artifacts", run_named(found.run_id)
+
+
+def example_image(name: str, number: int, dest: Path) -> Path | None:
+    """The first image of the version's input example (two of its own test images, which
+    export logs with it) as a PNG file in `dest`; None when the version has none."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        got = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{number}/input_example.json", dst_path=str(dest))
+        (first, *_) = json.loads(Path(got).read_text())
+        png = dest / "example.png"
+        png.write_bytes(base64.b64decode(first, validate=True))
+        return png
+    except (MlflowException, OSError, ValueError, TypeError):
+        return None
 
 
 def run_named(run_id: str) -> str:
