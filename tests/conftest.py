@@ -267,6 +267,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_ddp_update_equals_the_single_process_global_batch",
         "test_two_gloo_processes_train_the_stage_like_one",
     ),
+    "test_dvc_yaml.py": "test_a_dataset_added_beside_the_digits_leaves_their_prepare_up_to_date",
     "test_export.py": (
         "test_an_export_that_logs_the_model_prints_no_mlflow_info_line",
         "test_a_stage_over_an_immutable_output_keeps_all_its_previous_outputs",
