@@ -53,6 +53,20 @@ def test_transparency_is_composited_onto_black(tmp_path):
     assert decode_image(tmp_path / "t.png", 1, 8, "squash").max() == 0
 
 
+def test_a_lossless_jpeg_decodes_where_a_reduced_scale_decode_is_asked(tmp_path):
+    """libjpeg scales only a DCT's inverse: a lossless JPEG (SOF3) asked at 1/2 scale, as the
+    crops and the channel check ask, decodes whole rather than reading as damaged."""
+    from stages.lib.images import decode_pixels, has_colour
+    from tests.support.image_files import lossless_jpeg
+
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 48), dtype=np.uint8)
+    path = tmp_path / "lossless.jpg"
+    path.write_bytes(lossless_jpeg(pixels))
+    img, size = decode_pixels(path, 1, draft=16)
+    assert size == (48, 64) and np.array_equal(np.asarray(img), pixels)
+    assert not has_colour(path)
+
+
 def test_folder_prepare_skips_and_lists_bad_files(tmp_path):
     data = tmp_path / "shapes"
     counts = make_folder(data, per_class=20)

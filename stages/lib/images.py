@@ -246,6 +246,8 @@ def decode_pixels(source: str | Path | bytes, channels: int, draft: int = 0
             turned = img.size != opened.size  # by its EXIF orientation: a quarter turn
             return to_mode(img, "L" if channels == 1 else "RGB"), full[::-1] if turned else full
         except Exception:  # noqa: BLE001 - a decoder fails with any type on a crafted file
+            if draft:  # libjpeg scales only a DCT: a lossless JPEG (SOF3) decodes at full size
+                return decode_pixels(source, channels)
             raise DataError(f"a damaged or truncated {opened.format} file: its header reads but "
                             "its pixels do not decode; save or copy it again") from None
 
