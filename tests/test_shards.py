@@ -385,3 +385,64 @@ def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tm
                                        box=(left, top, left + w, top + h))).transpose(2, 0, 1)
         diff = (x.cropped(0, seed).int() - torch.from_numpy(want.copy()).int()).abs().float()
         assert diff.mean() < 2, (seed, diff.mean())
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """A folder of 264 noise PNGs of 256 px (kept as they are, 200 KB each) as 1-MiB shards: 31
+    train shards, trained one epoch by the stage with 2 DataLoader workers."""
+    w = folder_workspace(tmp_path_factory.mktemp("many") / "w")
+    noise_folder(w / "raw", 88, ext="png")
+    prepared(w, "shards", **{"data.shard_mb": "1", "data.image_size": "16", "epochs": "1",
+                             "model.width": "8", "train.num_workers": "2"})
+    assert len(list((w / "data/prepared/train").glob("shard-*.tar"))) == 31
+    return w
+
+
+def train_stage(w, mlflow_uri: str, files: int | None = None):
+    """The train stage in a session of its own, under an open-files limit of `files`
+    (`ulimit -n`), soft and hard."""
+    import resource
+    import subprocess
+
+    def limit() -> None:
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+    return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=w, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit,
+                            start_new_session=True,
+                            env=env_with(PYTHONPATH=str(ROOT), REPROTRAIN_WARM="0",
+                                         MLFLOW_TRACKING_URI=mlflow_uri))
+
+
+def ended(p, timeout: float = 240) -> tuple[str, str]:
+    """p's stdout and stderr once it ends; a p still running after `timeout` s (a hang) is
+    killed with its workers, and fails the test."""
+    import signal
+    import subprocess
+
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"still running after {timeout} s (a hang)\n{err[-3000:]}") from None
+
+
+def test_31_shards_train_under_an_open_files_limit_of_48_to_the_same_weights(many_shards,
+                                                                             mlflow_uri):
+    """Each process held every shard open: under `ulimit -n 48`, 31 shards in each of 2 workers
+    beside torch's own descriptors ran out, a worker could not hand a batch over, and training
+    waited for ever. Now a process keeps an eighth of its limit open (6 here)."""
+    model = many_shards / "models/train/model.pt"
+    p = train_stage(many_shards, mlflow_uri, files=48)
+    _, err = ended(p)
+    assert p.returncode == 0, err[-3000:]
+    limited = model.read_bytes()
+    model.unlink()
+    p = train_stage(many_shards, mlflow_uri)
+    _, err = ended(p)
+    assert p.returncode == 0, err[-3000:]
+    assert model.read_bytes() == limited
+

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
 import random
+import resource
 import tarfile
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -246,6 +249,39 @@ def digest(folders: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
+# The shards this process holds open, least recently read first, keyed by (reader, shard): every
+# split of the process shares one bound. A forked DataLoader worker inherits them (pread has no
+# file offset to share) and then opens and closes its own. Read from one thread per process.
+OPEN: OrderedDict[tuple[int, int], int] = OrderedDict()
+READERS = itertools.count()
+
+
+def open_shards_cap() -> int:
+    """How many shards a process keeps open: an eighth of its open-files limit (`ulimit -n`), at
+    most 64. Every shard of a split open in each of the training process and its workers would
+    exhaust a limit of 1024 at about 1,000 shards. The other seven eighths are what torch needs:
+    it passes each batch from a worker as descriptors (its file_descriptor sharing), and a
+    worker with none left cannot accept the fetch, which then waits for ever. A shard opened
+    again costs microseconds, a sample's decode far more."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 64 if soft == resource.RLIM_INFINITY else max(1, min(64, soft // 8))
+
+
+def shard_fd(key: tuple[int, int], path: Path) -> int:
+    """A descriptor of the shard at `path`, opened if it is not among OPEN; the least recently
+    read one is closed past open_shards_cap()."""
+    if key in OPEN:
+        OPEN.move_to_end(key)
+        return OPEN[key]
+    while OPEN and len(OPEN) >= open_shards_cap():
+        os.close(OPEN.popitem(last=False)[1])
+    fd = os.open(path, os.O_RDONLY)
+    # Samples are read in a random order: no read-ahead past each one.
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    OPEN[key] = fd
+    return fd
+
+
 class ShardImages:
     """A split's images in its shards, indexed as its uint8 (N, C, H, W) tensor would be: x[i],
     x[a:b] and x[indices] decode those samples (decode_image, at image_size). Memory holds the
@@ -265,8 +301,7 @@ class ShardImages:
                             "`dvc repro -f prepare`")
         self.folder, self.channels, self.size, self.resize = folder, channels, size, resize
         self.shape = (len(self.index), channels, size, size)
-        self._fds: dict[int, int] = {}
-        self._pid = os.getpid()
+        self.reader = next(READERS)  # its shards' keys in OPEN: a split loaded again opens them anew
 
     def __len__(self) -> int:
         return len(self.index)
@@ -280,21 +315,12 @@ class ShardImages:
     def labels(self) -> Tensor:
         return torch.from_numpy(self.index["label"].astype(np.int64))
 
-    def __getstate__(self) -> dict:  # a DataLoader worker opens its own files
-        return {**self.__dict__, "_fds": {}}
-
     def raw(self, i: int) -> bytes:
         """Sample i's image bytes; a short read names the shard and sample."""
-        if self._pid != os.getpid():  # forked: the parent's offsets are shared, pread has none
-            self._fds, self._pid = {}, os.getpid()
         shard, offset, size, _ = self.index[i].tolist()
         path = self.folder / shard_name(shard)
         try:
-            if shard not in self._fds:
-                self._fds[shard] = os.open(path, os.O_RDONLY)
-                # Samples are read in a random order: no read-ahead past each one.
-                os.posix_fadvise(self._fds[shard], 0, 0, os.POSIX_FADV_RANDOM)
-            data = os.pread(self._fds[shard], size, offset)
+            data = os.pread(shard_fd((self.reader, shard), path), size, offset)
         except OSError as e:
             raise DataError(f"{path}: sample {i} unreadable ({e.strerror}); restore it with "
                             "`dvc checkout data/prepared` or `dvc repro -f prepare`") from None

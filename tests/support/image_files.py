@@ -103,14 +103,14 @@ def many_scan_jpeg(scans: int, size: int = 4096) -> bytes:
             + segment(0xDA, b"\x01\x01\x00\x01\x3f\x00") * scans + b"\xff\xd9")
 
 
-def noise_folder(root, per_class: int, side: int = 256) -> None:
-    """JPEGs of noise, about 100 KB each at 256 px: a few to a 1 MiB shard."""
+def noise_folder(root, per_class: int, side: int = 256, ext: str = "jpg") -> None:
+    """JPEGs of noise, about 100 KB each at 256 px: a few to a 1 MiB shard (PNGs: 200 KB)."""
     rng = np.random.default_rng(0)
     for c in ("a", "b", "c"):
         (root / c).mkdir(parents=True)
         for i in range(per_class):
             pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(root / c / f"{i:03d}.jpg", quality=90)
+            Image.fromarray(pixels).save(root / c / f"{i:03d}.{ext}", quality=90)
 
 
 def lossless_jpeg(pixels: np.ndarray) -> bytes:
