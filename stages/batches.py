@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from stages.config import TrainConfig, batch_share
-from stages.data import Split, resolve_workers
+from stages.data import BATCH_TIMEOUT_S, Split, from_workers, resolve_workers
 from stages.lib.errors import UserError
-from stages.lib.images import DataError
 from stages.lib.shards import ShardImages, decoded_batch, nvjpeg
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
@@ -97,12 +96,13 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
         # Its own generator: a DataLoader otherwise draws worker seeds from the global RNG
         # each epoch, which shifts the dropout masks away from the device path's.
         generator=torch.Generator().manual_seed(seed), worker_init_fn=seed_worker,
-        collate_fn=EncodedStream.collate if on_gpu else None)
+        collate_fn=EncodedStream.collate if on_gpu else None,
+        timeout=BATCH_TIMEOUT_S if workers else 0)
     decode = nvjpeg(device, split.x.channels) if on_gpu else None
 
     def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         sampler.set_epoch(epoch)
-        for batch in dl:
+        for batch in from_workers(dl) if workers else dl:
             if on_gpu:
                 pixels, data, lengths, boxes, y, idx = batch
                 # What nvJPEG refuses, Pillow decodes here in the same box: still a function of
@@ -112,11 +112,6 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
                                       int(idx[k]), dataset.crop_seed(int(idx[k]), epoch)))
             else:
                 x, y, idx = batch
-            if streamed and bool((idx < 0).any()):
-                failed = -1 - int(idx[idx < 0][0])
-                split.x.pixels(failed)  # its error, here in one line (not in a worker's traceback)
-                raise UserError(f"sample {failed} of the training split failed to decode in a "
-                                "DataLoader worker and decodes here: is the disk failing?")
             # non_blocking: the copy overlaps with compute (it is async from pinned memory).
             yield (x.to(device, non_blocking=True), y.to(device, non_blocking=True),
                    idx.to(device, non_blocking=True))
@@ -225,19 +220,13 @@ class StreamedDataset(torch.utils.data.Dataset):
         return f"crop {self.seed} {epoch} {i}"
 
     def __getitem__(self, key: tuple[int, int]) -> tuple:
-        """(*sample, label, index); a sample that fails to decode comes blank, its index negative:
-        the training process reports it (loader_batches)."""
+        """(*sample, label, index); a sample's DataError reaches the training process in one line
+        (data.from_workers)."""
         i, epoch = key
-        try:
-            return *self.sample(i, self.crop_seed(i, epoch)), self.y[i], i
-        except DataError:
-            return *self.blank(), self.y[i], -1 - i
+        return *self.sample(i, self.crop_seed(i, epoch)), self.y[i], i
 
     def sample(self, i: int, seed: str) -> tuple[Tensor, ...]:
         return (self.x.cropped(i, seed),)
-
-    def blank(self) -> tuple[Tensor, ...]:
-        return (torch.zeros(self.x.shape[1:], dtype=torch.uint8),)
 
 
 class EncodedStream(StreamedDataset):
@@ -248,9 +237,6 @@ class EncodedStream(StreamedDataset):
         if (got := self.x.jpeg_crop(i, seed)) is not None:
             return got
         return self.x.cropped(i, seed), torch.full((4,), -1)
-
-    def blank(self) -> tuple[Tensor, Tensor]:
-        return (*super().blank(), torch.full((4,), -1))
 
     @staticmethod
     def collate(samples: list) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -82,7 +82,36 @@ def in_batches(split: Split, batch_size: int, workers: int = 0) -> Iterator[Tens
     batches = _Batches(split.x, batch_size)
     if workers == 0 or isinstance(split.x, Tensor):
         return (batches[k] for k in range(len(batches)))
-    return iter(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers))
+    return from_workers(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
+                                                    timeout=BATCH_TIMEOUT_S))
+
+
+# A batch the workers have not handed over in this long is lost: a worker is stuck, or torch's
+# hand-over failed inside one (out of descriptors, say), which only that worker's stderr shows,
+# and the training process would wait for ever. Generous: the first batch starts the workers.
+BATCH_TIMEOUT_S = 600
+
+
+def from_workers(loader: torch.utils.data.DataLoader) -> Iterator:
+    """A DataLoader's batches, a worker's error as one line: torch raises it again here with the
+    worker's whole traceback as its message, and a batch that never came as a timeout."""
+    try:
+        yield from loader
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        if len(lines) > 1 and lines[0].startswith("Caught ") and "DataLoader worker" in lines[0]:
+            # The traceback's last line, "module.Name: message": this project's error by its
+            # message alone, another's with its name.
+            name, _, message = lines[-1].partition(": ")
+            raise UserError(message if isinstance(e, UserError) else
+                            f"a DataLoader worker failed: {name.rpartition('.')[2]}: {message}") \
+                from None
+        if isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out"):
+            raise UserError(f"no batch from the DataLoader workers in {BATCH_TIMEOUT_S} s: one is "
+                            "stuck or lost a batch (its error, if any, is above; `ulimit -n` too "
+                            "low shows as 'Too many open files'); rerun, and training resumes "
+                            "from its last checkpoint") from None
+        raise
 
 
 @dataclass

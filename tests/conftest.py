@@ -361,6 +361,8 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_the_loader_and_the_format_must_match_in_one_line",
         "test_two_ddp_ranks_stream_the_halves_of_one_process_s_batches",
         "test_31_shards_train_under_an_open_files_limit_of_48_to_the_same_weights",
+        "test_a_worker_killed_mid_epoch_ends_training_in_one_line",
+        "test_a_val_sample_that_does_not_decode_in_a_worker_is_one_line",
     ),
     "test_slurm.py": (
         "test_a_cancelled_task_shows_as_cancelled",

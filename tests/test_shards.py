@@ -9,6 +9,7 @@ import random
 import shutil
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -445,4 +446,82 @@ def test_31_shards_train_under_an_open_files_limit_of_48_to_the_same_weights(man
     _, err = ended(p)
     assert p.returncode == 0, err[-3000:]
     assert model.read_bytes() == limited
+
+
+def test_a_worker_killed_mid_epoch_ends_training_in_one_line(many_shards, mlflow_uri):
+    """SIGKILL to a DataLoader worker (the kernel's OOM killer sends one): torch raises its
+    error wherever the training process is (in the model's forward, often), never a hang."""
+    import signal
+    import time
+
+    set_params(many_shards / "params.yaml", {"epochs": "20"})
+    try:
+        p = train_stage(many_shards, mlflow_uri)
+        workers, deadline = [], time.time() + 120
+        while len(workers) < 2 and p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+            workers = dataloader_workers(p.pid)
+        time.sleep(1)  # training under way
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = ended(p)
+    finally:
+        set_params(many_shards / "params.yaml", {"epochs": "1"})
+    # torch's words: "is killed by signal: Killed" from its SIGCHLD handler, "exited
+    # unexpectedly" where its wait for a batch notices first.
+    line = one_error_line(err)
+    assert p.returncode == 1 and line.startswith("error: DataLoader worker (pid") and \
+        f"{workers[0]})" in line and "; a worker killed by SIGKILL is most often the kernel's " \
+        "out-of-memory killer" in line, err
+
+
+def dataloader_workers(parent: int) -> list[int]:
+    """The children of `parent` forked from it (its command line), not those it ran (git)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if f"PPid:\t{parent}\n" in f.read() and \
+                        b"stages.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+        except OSError:  # ended since
+            pass
+    return found
+
+
+def test_a_val_sample_that_does_not_decode_in_a_worker_is_one_line(tmp_path, mlflow_uri):
+    import numpy as np
+
+    w = folder_workspace(tmp_path / "w")
+    make_folder(w / "raw", 8, bad=False)
+    prepared(w, "shards", **{"epochs": "1", "model.width": "8", "train.num_workers": "2"})
+    shard, offset, size, _ = np.load(w / "data/prepared/val/index.npy")[0].tolist()
+    path = f"data/prepared/val/shard-{shard:06d}.tar"
+    with open(w / path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\xff" * size)
+    p = train_stage(w, mlflow_uri)
+    _, err = ended(p)
+    assert p.returncode == 1 and one_error_line(err).startswith(
+        f"error: {path}: sample 0 does not decode (not an image file"), err
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 2:
+            raise ValueError(f"sample {i} is not what it should be")
+        return torch.zeros(1)
+
+
+def test_any_error_in_a_dataloader_worker_is_one_line():
+    from stages.data import from_workers
+    from stages.lib.errors import UserError
+
+    loader = torch.utils.data.DataLoader(_Failing(), num_workers=2)
+    with pytest.raises(UserError) as caught:
+        list(from_workers(loader))
+    assert str(caught.value) == \
+        "a DataLoader worker failed: ValueError: sample 2 is not what it should be"
 

@@ -85,6 +85,14 @@ def run_stage(main: Callable[[], None]) -> None:
               "written; rerun to continue (training resumes from its last checkpoint)",
               file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except RuntimeError as e:
+        # torch's word for a DataLoader worker that died, raised wherever this process was when
+        # its SIGCHLD came (in the model's forward as often as in the loader).
+        if not str(e).startswith("DataLoader worker (pid"):
+            raise
+        sys.exit(f"error: {str(e).strip().rstrip('.')}; a worker killed by SIGKILL is most "
+                 "often the kernel's out-of-memory killer (see `dmesg`): lower train.num_workers "
+                 "or batch_size, then rerun; training resumes from its last checkpoint")
     except OSError as e:
         from stages.lib.files import WRITE_ERRORS
 
