@@ -50,22 +50,36 @@ def load_meta(prepared: Path) -> dict:
 def load_split(prepared: Path, name: str) -> Split:
     """A split as its tensors, or, when prepare wrote shards, its images read from them as
     they are indexed (stages/lib/shards.py) with its labels."""
-    if shards.is_sharded(Path(prepared), name) and \
-            (meta := load_meta(prepared)).get("format") == "shards":
+    meta = load_meta(prepared)
+    if shards.is_sharded(Path(prepared), name) and meta.get("format") == "shards":
         x = shards.ShardImages(Path(prepared) / name, meta["channels"], meta["image_size"],
                                meta["resize"])
-        return Split(x, x.labels())  # type: ignore[arg-type]
+        y = checked_labels(x.labels(), len(meta["classes"]), x.folder / "index.npy")
+        return Split(x, y)  # type: ignore[arg-type]
     path = Path(prepared) / f"{name}.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run `dvc repro prepare` first")
     # mmap: a large split is paged in as batches touch it, not read whole into memory.
     try:
         d = torch.load(path, weights_only=True, mmap=True)
-        return Split(d["x"], d["y"])
+        x, y = d["x"], d["y"]
     except (RuntimeError, OSError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as e:
         raise UserError(f"{path}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
                         f"restore it with `dvc checkout {prepared}` or rebuild it with "
                         "`dvc repro -f prepare`") from None
+    return Split(x, checked_labels(y, len(meta["classes"]), path))
+
+
+def checked_labels(y: Tensor, classes: int, path: Path) -> Tensor:
+    """y, when every label is one of meta.json's classes; the first that is not fails here, named
+    with its row, not as an index error in the loss."""
+    bad = ((y < 0) | (y >= classes)).nonzero().flatten()
+    if len(bad):
+        row = int(bad[0])
+        raise UserError(f"{path}: row {row} has label {int(y[row])}, and meta.json lists "
+                        f"{classes} classes (labels 0 to {classes - 1}); rebuild it with `dvc "
+                        "repro -f prepare`")
+    return y
 
 
 def resolve_workers(num_workers: int | str) -> int:

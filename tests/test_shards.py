@@ -525,3 +525,25 @@ def test_any_error_in_a_dataloader_worker_is_one_line():
     assert str(caught.value) == \
         "a DataLoader worker failed: ValueError: sample 2 is not what it should be"
 
+
+def test_a_label_past_meta_s_classes_is_named_with_its_file_and_row(both, tmp_path):
+    import numpy as np
+
+    from stages.lib.errors import UserError
+
+    for fmt in ("shards", "tensors"):
+        prep = tmp_path / fmt
+        shutil.copytree(both[fmt][0] / "data/prepared", prep)
+        if fmt == "shards":
+            path = prep / "train/index.npy"
+            index = np.load(path)
+            index["label"][5] = 99
+            np.save(path, index)
+        else:
+            path = prep / "train.pt"
+            d = torch.load(path, weights_only=True)
+            d["y"][5] = 99
+            torch.save(d, path)
+        with pytest.raises(UserError, match=rf"^{path}: row 5 has label 99, and meta.json lists "
+                                            r"3 classes \(labels 0 to 2\); rebuild it with"):
+            load_split(prep, "train")
