@@ -121,7 +121,7 @@ def from_workers(loader: torch.utils.data.DataLoader) -> Iterator:
                             f"a DataLoader worker failed: {name.rpartition('.')[2]}: {message}") \
                 from None
         if isinstance(e, RuntimeError) and str(e).startswith("DataLoader timed out"):
-            raise UserError(f"no batch from the DataLoader workers in {BATCH_TIMEOUT_S} s: one is "
+            raise UserError(f"no batch from the DataLoader workers in {loader.timeout:g} s: one is "
                             "stuck or lost a batch (its error, if any, is above; `ulimit -n` too "
                             "low shows as 'Too many open files'); rerun, and training resumes "
                             "from its last checkpoint") from None

@@ -526,6 +526,27 @@ def test_any_error_in_a_dataloader_worker_is_one_line():
         "a DataLoader worker failed: ValueError: sample 2 is not what it should be"
 
 
+class _Stuck(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import time
+
+        time.sleep(1.5)  # as a worker stuck on a read, or one whose batch torch lost
+        return torch.zeros(1)
+
+
+def test_a_batch_that_never_comes_ends_in_one_line_not_a_wait_for_ever():
+    from stages.data import from_workers
+    from stages.lib.errors import UserError
+
+    loader = torch.utils.data.DataLoader(_Stuck(), num_workers=1, timeout=1)
+    with pytest.raises(UserError, match=r"^no batch from the DataLoader workers in 1 s: one is "
+                                        "stuck or lost a batch"):
+        list(from_workers(loader))
+
+
 def test_a_label_past_meta_s_classes_is_named_with_its_file_and_row(both, tmp_path):
     import numpy as np
 
