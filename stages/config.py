@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import resource
 import types
 import typing
 import urllib.parse
@@ -73,6 +74,52 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
     _require(value in choices, key, value, f"choose one of {', '.join(map(str, choices))}")
 
 
+def _check_workers(key: str, value: Any) -> None:
+    _require(value == "auto" or (isinstance(value, int) and value >= 0), key, value,
+             "use auto or an integer >= 0")
+    if value != "auto" and value > 0:
+        bound, why = worker_bound()
+        _require(value <= bound, key, value, f"at most {bound} here ({why}); use auto or fewer")
+
+
+def worker_bound() -> tuple[int, str]:
+    """The most worker processes a stage may start on this machine, and why: one per CPU core
+    this process may use (more decode nothing faster, and each holds memory of its own:
+    PyTorch's DataLoader warns past it too), fewer where the user's process limit (`ulimit -u`)
+    leaves less room. 1000 would be forked, and fail part way."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if limit != resource.RLIM_INFINITY and not machine_root() and \
+            limit - (tasks := user_tasks(os.getuid())) < cores:
+        return max(0, limit - tasks), f"`ulimit -u` is {limit}, and this user runs {tasks} " \
+            "processes and threads already"
+    return cores, "the CPU cores this process may use"
+
+
+def machine_root() -> bool:
+    """Root of the machine's own user namespace, whose forks pass `ulimit -u`; root in another
+    (a rootless container's) is held to it."""
+    try:
+        return os.getuid() == 0 and Path("/proc/self/uid_map").read_text().split() == \
+            ["0", "0", "4294967295"]
+    except OSError:  # not Linux
+        return os.getuid() == 0
+
+
+def user_tasks(uid: int) -> int:
+    """The processes and threads whose real user is `uid`: what the kernel counts against
+    `ulimit -u`."""
+    count = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+        except (OSError, KeyError, ValueError):  # ended meanwhile
+            continue
+    return count
+
+
 @dataclass
 class DataConfig:
     source: str = "digits"
@@ -88,6 +135,11 @@ class DataConfig:
     store_size: int = 256
     shard_mb: int = 128
 
+    @property
+    def workers(self) -> int:
+        """The decoding processes prepare starts (`auto`: as many as worker_bound allows)."""
+        return worker_bound()[0] if self.num_workers == "auto" else self.num_workers
+
     def __post_init__(self) -> None:
         _choice("data.source", self.source, SOURCES)
         _choice("data.format", self.format, ("auto", "tensors", "shards"))
@@ -96,12 +148,15 @@ class DataConfig:
         _require(16 <= self.store_size <= 4096, "data.store_size", self.store_size, "must be 16..4096")
         _require(1 <= self.shard_mb <= 4096, "data.shard_mb", self.shard_mb, "must be 1..4096")
         _choice("data.resize", self.resize, ("squash", "center_crop"))
-        _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
-                 and self.num_workers >= 0), "data.num_workers", self.num_workers,
-                 "use auto or an integer >= 0")
+        _check_workers("data.num_workers", self.num_workers)
         _require(0 <= self.max_rejected_fraction <= 1, "data.max_rejected_fraction",
                  self.max_rejected_fraction, "must be in [0, 1]")
         _require(4 <= self.image_size <= 1024, "data.image_size", self.image_size, "must be 4..1024")
+        _require(self.store_size >= self.image_size or self.format == "tensors"
+                 or self.source != "folder", "data.store_size", self.store_size,
+                 f"below data.image_size {self.image_size}, shards would keep every image smaller "
+                 "than training reads it, to be upsampled; set data.store_size to "
+                 f"{self.image_size} or more")
         _choice("data.channels", self.channels, (1, 3, "auto"))
         for k in ("val_fraction", "test_fraction"):
             v = getattr(self, k)
@@ -164,9 +219,7 @@ class TrainConfig:
                  "train.device", self.device, "use auto, cpu, cuda, cuda:N (N a GPU index) or mps")
         _choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _choice("train.loader", self.loader, ("auto", "device", "dataloader", "stream"))
-        _require(self.num_workers == "auto" or (isinstance(self.num_workers, int)
-                 and self.num_workers >= 0), "train.num_workers", self.num_workers,
-                 "use auto or an integer >= 0")
+        _check_workers("train.num_workers", self.num_workers)
         _require(self.compile in (True, False, "default", "reduce-overhead", "max-autotune",
                                   "max-autotune-no-cudagraphs"), "train.compile", self.compile,
                  "use false, true or a torch.compile mode such as max-autotune")

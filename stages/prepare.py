@@ -194,7 +194,6 @@ def write_shards(cfg: DataConfig, out: Path, classes: list[str],
                  items: dict[str, images.Files]) -> tuple[dict, list, dict]:
     """The folder's splits (split_folder's) as shards (stages/lib/shards.py), with meta.json and
     the reports. Written in partial_of(out) first, and resumed there after a kill."""
-    workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     (key, need), partial = fingerprint(items, cfg), partial_of(out)
     check_disk(cfg, sum(map(len, items.values())), need, out)
     if not (partial / "key").is_file() or (partial / "key").read_text() != key:
@@ -205,7 +204,7 @@ def write_shards(cfg: DataConfig, out: Path, classes: list[str],
     for name in SPLITS:
         written[name] = shards.write_split(partial / name, items[name], cfg.channels,
                                            cfg.image_size, cfg.resize, cfg.store_size,
-                                           cfg.shard_mb * 2**20, workers)
+                                           cfg.shard_mb * 2**20, cfg.workers)
         if written[name].resumed:
             print(f"prepare: {name}: resumed after the {written[name].resumed} whole shards a "
                   f"killed run left in {partial / name}", flush=True)

@@ -89,11 +89,10 @@ def from_folder(cfg: DataConfig, seed: int, scratch: Path,
     classes, items = folder or split_folder(cfg, seed)
     if cfg.channels == "auto":  # prepare resolves it first, and says so
         cfg = replace(cfg, channels=3 if sample_folder(items["train"])[1] else 1)
-    workers = (os.cpu_count() or 1) if cfg.num_workers == "auto" else cfg.num_workers
     scratch.mkdir(parents=True, exist_ok=True)
     splits, rejected, accepted = {}, [], {}
     for name in SPLITS:
-        splits[name], bad, accepted[name] = decode_split(items[name], cfg, workers,
+        splits[name], bad, accepted[name] = decode_split(items[name], cfg, cfg.workers,
                                                          scratch / f".{name}.npy")
         rejected += bad
     check_rejected(rejected, sum(len(v) for v in items.values()), cfg)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import hashlib
 import io
+import multiprocessing
 import os
 import signal
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -302,17 +306,50 @@ def parallel_map(fn: Callable[[T], R], jobs: Iterable[T], workers: int) -> Itera
     # is never marked by a collection in either, and stays shared instead of copied page by page
     # (Python's gc documentation). prepare is short-lived: nothing frozen needs collecting.
     gc.freeze()
-    # Workers ignore Ctrl-C: the main process stops them, with one line instead of a
-    # KeyboardInterrupt traceback from each.
-    with ProcessPoolExecutor(max_workers=workers, initializer=signal.signal,
-                             initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
-        pending: deque[Future[list[R]]] = deque()
-        while True:
-            while len(pending) < 4 * workers and (chunk := list(islice(jobs, 32))):
-                pending.append(pool.submit(_each, fn, chunk))
-            if not pending:
-                return
-            yield from pending.popleft().result()
+    before = set(multiprocessing.active_children())
+    try:
+        with ProcessPoolExecutor(max_workers=workers, initializer=_worker_start,
+                                 initargs=(os.getpid(),)) as pool:
+            pending: deque[Future[list[R]]] = deque()
+            while True:
+                while len(pending) < 4 * workers and (chunk := list(islice(jobs, 32))):
+                    pending.append(pool.submit(_each, fn, chunk))
+                if not pending:
+                    return
+                yield from pending.popleft().result()
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.ENOMEM):
+            raise
+        # A fork refused. The pool forks all its workers at its first job and, when one fork
+        # fails, leaves those it started waiting for work, and this process's exit for them.
+        for p in set(multiprocessing.active_children()) - before:
+            p.kill()
+            p.join()
+        raise UserError(f"could not start {workers} worker processes ({e.strerror}): the "
+                        "process or memory limit (`ulimit -u`, a container's) is reached; set "
+                        "data.num_workers lower in params.yaml") from None
+
+
+def _worker_start(parent: int) -> None:
+    """A pool worker's first step. It ignores Ctrl-C: the main process stops the workers, with
+    one line instead of a KeyboardInterrupt traceback from each. And it dies with the main
+    process, killed too (kill -9, the OOM killer): an orphan would decode on for nobody, holding
+    its memory and the caller's stdout (`prepare | cat` would never end)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent, signal.SIGKILL)
+
+
+# Looked up here, not in a forked child: another thread may hold a lock the child would need to
+# import or load anything.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def die_with_parent(parent: int, sig: int) -> None:
+    """`sig` to this process when `parent` dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    if _prctl is not None:
+        _prctl(1, sig)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the line above
+        os.kill(os.getpid(), sig)
 
 
 def _each(fn: Callable[[T], R], chunk: list[T]) -> list[R]:

@@ -5,7 +5,6 @@ ready once its health URL answers, stopped with everything it started whatever e
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from stages.lib.cli import STOPS, stop_on_signals
 from stages.lib.errors import UserError
+from stages.lib.images import die_with_parent
 from stages.lib.redact import masked
 
 
@@ -55,28 +55,15 @@ def last_lines(log: Path, n: int = 3) -> str:
     return " / ".join(tail) or "no output"
 
 
-# Looked up here, not in the forked child: another thread (make ui's) may hold a lock the child
-# would need to import or load anything.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGTERM to this process when `parent` dies, even by SIGKILL. In the server, before exec:
-    this command's death leaves it no chance to stop the server (which then forwards the signal
-    to its workers); in this command under make: make's."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before the line above
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 def _server_child(parent: int) -> None:
     """In the server, before exec: the stops this command held across the fork, back to their
-    default (one pending kills it now, as it would have), then _die_with_parent."""
+    default (one pending kills it now, as it would have), then SIGTERM when this command dies:
+    its death leaves it no chance to stop the server (which then forwards the signal to its
+    workers)."""
     for sig in STOPS:
         signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
-    _die_with_parent(parent)
+    die_with_parent(parent, signal.SIGTERM)
 
 
 def _parent_is_make() -> bool:
@@ -97,11 +84,11 @@ def started(name: str, cmd: list[str], env: dict[str, str], log: Path, health: s
     if _parent_is_make():
         # `kill -9` of make leaves this process nobody's, and the server with it, holding the
         # port. Another parent (a shell under nohup, systemd, pytest) may end while it serves.
-        _die_with_parent(os.getppid())
+        die_with_parent(os.getppid(), signal.SIGTERM)
     parent = os.getpid()
     # `kill` or a closed terminal: still end the server's group, which has its own session.
     # Before it starts: one that comes meanwhile is a clean stop too (the server, if it was
-    # just forked, gets SIGTERM from the kernel as this process ends: _die_with_parent).
+    # just forked, gets SIGTERM from the kernel as this process ends: die_with_parent).
     stop_on_signals()
     server, ready, asked = None, False, False
     try:
