@@ -14,9 +14,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import filelock
 import torch
 
-from stages.config import PREPARED, DataConfig, load_params
+from stages.config import PREPARED, DataConfig, Params, load_params
 from stages.data import SPLITS, save_prepared
 from stages.lib import images, shards
 from stages.lib.cli import ArgumentParser, run_stage
@@ -53,6 +54,22 @@ def main() -> None:
         print(f"{root}: {len(classes)} classes, {sum(map(len, files.values()))} image files; "
               "names and layout are fine")
         return
+    with only_one(PREPARED):
+        meta, rejected, leaks = prepare(params)
+    print(f"prepared {cfg.source}: " + ", ".join(f"{k} {v}" for k, v in meta["sizes"].items())
+          + f"; {len(meta['classes'])} classes, {meta['channels']}x{cfg.image_size}x{cfg.image_size}")
+    if rejected:
+        print(f"warning: skipped {len(rejected)} unreadable files, listed in "
+              f"{PREPARED / 'rejected.csv'}", file=sys.stderr)
+    if leaks:
+        print(f"warning: {len(leaks)} identical files appear in more than one split "
+              f"(leakage), listed in {PREPARED / 'leakage.csv'}", file=sys.stderr)
+
+
+def prepare(params: Params) -> tuple[dict, list, dict]:
+    """params.data's source into PREPARED: its meta, the files rejected, the leaks."""
+    cfg = params.data
+    remove_scratch(PREPARED)  # a killed run's (kill -9, the OOM killer)
     check_partial(partial_of(PREPARED))
     # A folder listed once: at a million files the listing takes a while.
     folder = split_folder(cfg, params.seed) if cfg.source == "folder" else None
@@ -69,35 +86,44 @@ def main() -> None:
     if fmt == "tensors" and count is not None:
         check_memory(cfg, count)
     if fmt == "shards":
-        meta, rejected, leaks = write_shards(cfg, PREPARED, *folder)
-    else:
-        try:
-            loaded = from_folder(cfg, params.seed, PREPARED, folder) if folder is not None \
-                else SOURCES[cfg.source](cfg, params.seed, PREPARED)
-            if loaded.native and (line := resize_line(cfg, {loaded.native: 1})):
-                print(line)
-            meta = build_meta(loaded.splits, loaded.classes, cfg)
-            if cfg.channels == "auto":
-                print(f"data.channels: auto -> {meta['channels']}: the source's own")
-            rejected, leaks = loaded.rejected, loaded.leaks
-            meta["rejected"] = len(rejected)
-            meta["duplicates_across_splits"] = len(leaks)
-            save_prepared(PREPARED, loaded.splits, meta, reports(rejected, leaks))
-            for name in SPLITS:  # an earlier run's shards would be read before these tensors
-                shards.remove(PREPARED / name)
-            shutil.rmtree(partial_of(PREPARED), ignore_errors=True)
-        finally:  # also on a failure: the folder source's memory-mapped decode files can be large
-            for scratch in PREPARED.glob(".*.npy"):
-                scratch.unlink()
+        return write_shards(cfg, PREPARED, *folder)
+    try:
+        loaded = from_folder(cfg, params.seed, PREPARED, folder) if folder is not None \
+            else SOURCES[cfg.source](cfg, params.seed, PREPARED)
+        if loaded.native and (line := resize_line(cfg, {loaded.native: 1})):
+            print(line)
+        meta = build_meta(loaded.splits, loaded.classes, cfg)
+        if cfg.channels == "auto":
+            print(f"data.channels: auto -> {meta['channels']}: the source's own")
+        meta["rejected"] = len(loaded.rejected)
+        meta["duplicates_across_splits"] = len(loaded.leaks)
+        save_prepared(PREPARED, loaded.splits, meta, reports(loaded.rejected, loaded.leaks))
+        for name in SPLITS:  # an earlier run's shards would be read before these tensors
+            shards.remove(PREPARED / name)
+        shutil.rmtree(partial_of(PREPARED), ignore_errors=True)
+        return meta, loaded.rejected, loaded.leaks
+    finally:  # also on a failure: the folder source's memory-mapped decode files can be large
+        remove_scratch(PREPARED)
 
-    print(f"prepared {cfg.source}: " + ", ".join(f"{k} {v}" for k, v in meta["sizes"].items())
-          + f"; {len(meta['classes'])} classes, {meta['channels']}x{cfg.image_size}x{cfg.image_size}")
-    if rejected:
-        print(f"warning: skipped {len(rejected)} unreadable files, listed in "
-              f"{PREPARED / 'rejected.csv'}", file=sys.stderr)
-    if leaks:
-        print(f"warning: {len(leaks)} identical files appear in more than one split "
-              f"(leakage), listed in {PREPARED / 'leakage.csv'}", file=sys.stderr)
+
+def only_one(out: Path) -> filelock.AcquireReturnProxy:
+    """A lock beside `out`, held by one prepare at a time (`with`): a second would write the
+    same files as the first, and delete its scratch files. An OS lock (flock): the kernel
+    releases it when its holder dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(out.with_name(f".{out.name}.lock"))
+    try:
+        return lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise UserError(f"{out}: another prepare is writing it (it holds {lock.lock_file}); wait "
+                        "for it to end, or stop it, then rerun") from None
+
+
+def remove_scratch(out: Path) -> None:
+    """The decode's memory-mapped files (sources.decode_split) and half-written outputs in `out`:
+    a run removes its own when done, the next run those of one that was killed."""
+    for path in [*out.glob(".*.npy"), *out.glob(".*.tmp.*")]:
+        path.unlink()
 
 
 def reports(rejected: list[tuple[str, str]], leaks: dict[str, list[tuple[str, str]]]) -> dict[str, str]:
@@ -122,13 +148,59 @@ def resolve_format(cfg: DataConfig, images: int | None) -> str:
 
 
 def memory_available() -> int:
-    """Bytes of memory available without swapping: the kernel's MemAvailable (free memory and
-    the page cache it can drop), where there is one."""
+    """Bytes of memory this process can take without swapping or being killed: the kernel's
+    MemAvailable (free memory and the page cache it can drop), or less where a memory cgroup it
+    runs in (a container, a SLURM job, `systemd-run -p MemoryMax`) has less left."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min([host, *cgroup_memory_left()])
+
+
+def cgroup_memory_left(proc: Path = Path("/proc/self")) -> list[int]:
+    """What each memory cgroup enclosing the process `proc` leaves, from its own to the root of
+    its hierarchy (a parent's limit binds its children): the limit (v1's memory.limit_in_bytes,
+    v2's memory.max) less the usage, the page cache it can drop counted free, as MemAvailable
+    counts it."""
+    left = []
+    for folder in cgroup_folders("memory", proc):
+        for limit, usage, cache in (("memory.max", "memory.current", "inactive_file"),
+                                    ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                     "total_inactive_file")):
+            try:
+                bound = (folder / limit).read_text().strip()
+                used = int((folder / usage).read_text())
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            if bound != "max":
+                left.append(max(0, int(bound) - used + int(stat.get(cache, 0))))
+    return left
+
+
+def cgroup_folders(controller: str, proc: Path = Path("/proc/self")) -> list[Path]:
+    """The folders of the cgroups (v1's of `controller`, and v2's) that `proc` runs in and
+    their ancestors, innermost first: /proc/PID/cgroup names the cgroup, mountinfo where its
+    hierarchy is mounted (a container's mount starts at its own cgroup)."""
+    try:
+        groups = [line.split(":", 2) for line in (proc / "cgroup").read_text().splitlines()]
+        mounts = [line.split(" - ") for line in (proc / "mountinfo").read_text().splitlines()]
+    except OSError:  # not Linux
+        return []
+    folders = []
+    for _, controllers, path in groups:
+        for fields, fs in ((m[0].split(), m[1].split()) for m in mounts if len(m) == 2):
+            v1 = fs[0] == "cgroup" and controller in fs[2].split(",") and \
+                controller in controllers.split(",")
+            if v1 or (fs[0] == "cgroup2" and not controllers):
+                root, top = fields[3], Path(fields[4])
+                folder = top / (Path(path).relative_to(root) if Path(path).is_relative_to(root)
+                                else "")
+                folders += [folder, *[p for p in folder.parents if p.is_relative_to(top)]]
+                break
+    return folders
 
 
 def check_memory(cfg: DataConfig, images: int) -> None:

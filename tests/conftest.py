@@ -350,6 +350,14 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_two_processes_creating_the_experiment_at_once_both_log",
         "test_without_a_login_or_with_a_wrong_one_the_refusal_is_one_line",
     ),
+    "test_prepare_limits.py": (  # each runs prepare in processes of its own
+        "test_a_fork_refused_by_the_process_limit_ends_prepare_in_one_line_leaving_no_worker",
+        "test_a_killed_prepare_takes_its_workers_along_and_its_rerun_removes_its_scratch",
+        "test_a_second_prepare_in_the_same_folder_is_refused_while_the_first_runs",
+        "test_prepare_in_a_memory_cgroup_sizes_the_splits_against_its_limit",
+        "test_shards_that_outgrow_the_disk_when_re_encoded_name_the_shard_and_the_fix",
+        "test_workers_past_the_process_limit_are_refused_in_one_line_naming_it",
+    ),
     "test_shards.py": (  # each prepares or trains in processes of its own
         "test_training_on_shards_says_and_records_how_many_workers_auto_gave",
         "test_a_format_changed_back_leaves_only_the_new_one",

@@ -25,6 +25,7 @@ import tarfile
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from stages.lib.files import write_text
+from stages.lib.files import atomic_write, write_error, write_text
 from stages.lib.images import (
     DIGEST,
     DataError,
@@ -108,9 +109,21 @@ class ShardWriter:
         if self.file is None:
             self.tmp = self.folder / f".{shard_name(self.count)}.tmp"
             self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close)
-        offset = self._member(f"{key}.{ext}", data)
-        self._member(f"{key}.cls", str(label).encode())
+        try:
+            offset = self._member(f"{key}.{ext}", data)
+            self._member(f"{key}.cls", str(label).encode())
+        except OSError as e:
+            raise self._failed(e) from e
         return self.count, offset
+
+    def _failed(self, e: OSError) -> OSError:
+        """A failed write's one line, which names the shard (a full disk: the images as stored
+        can take more than their files, when re-encoded); the half-written shard removed."""
+        with suppress(OSError):  # its buffer's flush fails again
+            self.file.close()
+        self.tmp.unlink()
+        self.file = None
+        return write_error(e, self.tmp, scratch=True) or e
 
     def _member(self, name: str, data: bytes) -> int:
         info = tarfile.TarInfo(name)
@@ -124,8 +137,11 @@ class ShardWriter:
         """The open shard, ended as TarFile ends one (two zero blocks, then zeros to a whole
         record), under its name."""
         end = self.file.tell() + 2 * tarfile.BLOCKSIZE
-        self.file.write(b"\0" * (2 * tarfile.BLOCKSIZE + -end % tarfile.RECORDSIZE))
-        self.file.close()
+        try:
+            self.file.write(b"\0" * (2 * tarfile.BLOCKSIZE + -end % tarfile.RECORDSIZE))
+            self.file.close()
+        except OSError as e:
+            raise self._failed(e) from e
         path = self.folder / shard_name(self.count)
         os.replace(self.tmp, path)
         self.count, self.file = self.count + 1, None
@@ -230,9 +246,7 @@ def write_split(folder: Path, items: Files, channels: int, image_size: int,
     else:  # files rejected after the last shard: in no record, redone after a kill
         rejected += piece.rejected
     index_all = np.concatenate(index) if index else np.empty(0, INDEX)
-    tmp = folder / ".index.tmp.npy"
-    np.save(tmp, index_all)
-    os.replace(tmp, folder / "index.npy")
+    atomic_write(folder / "index.npy", lambda p: np.save(p, index_all))
     return WrittenSplit(index_all, rejected,
                         np.concatenate(accepted) if accepted else np.empty(0, np.int64),
                         np.concatenate(digests) if digests else np.empty(0, DIGEST), sums, resumed)
@@ -559,7 +573,7 @@ def remove(folder: Path) -> None:
     """A split's shards and index, what write_split writes (and its temporary files), then the
     folder if that left it empty; anything else in it is kept."""
     for pattern in ("shard-*.tar", ".shard-*.tar.tmp", "shard-*.tar.json", "index.npy",
-                    ".index.tmp.npy"):
+                    ".index.*tmp.npy"):
         for path in folder.glob(pattern):
             path.unlink()
     if folder.is_dir() and not any(folder.iterdir()):
