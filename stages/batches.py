@@ -1,11 +1,14 @@
 """Training batches: the batch plan, the batch sources (device-resident data, a DataLoader over
 the tensors, or one that decodes shards in its workers) and the augmentation. Each gives every
 sample in the same order with the same augmentation, whatever the worker count or rank; the two
-of the tensors give the same batches."""
+of the tensors give the same batches. The augmentation is the params' alone, the same for tensors
+and shards: a shard's random-resized crop is cut in a worker from its stored resolution, a
+tensor's on the device, with the same box."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,7 +21,10 @@ from torch import Tensor
 from stages.config import TrainConfig, batch_share
 from stages.data import BATCH_TIMEOUT_S, Split, from_workers, resolve_workers
 from stages.lib.errors import UserError
-from stages.lib.shards import ShardImages, decoded_batch, nvjpeg
+from stages.lib.shards import ShardImages, decoded_batch, nvjpeg, resized_crops
+
+# A random-resized crop's (area, aspect ratio) ranges: train.augment_crop_scale and _ratio.
+Crop = tuple[tuple[float, float], tuple[float, float]]
 
 # epoch -> this process's micro-batches (uint8 images, labels, sample indices), on the device.
 Batches = Callable[[int], Iterator[tuple[Tensor, Tensor, Tensor]]]
@@ -77,14 +83,24 @@ def device_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
     return epoch_batches
 
 
+def random_resized_crop(cfg: TrainConfig) -> Crop | None:
+    """The crop train.augment_crop_scale and _ratio ask for; None for none (area [1, 1] with
+    the ratio 1 allowed: every draw is the whole image)."""
+    scale, ratio = tuple(cfg.augment_crop_scale), tuple(cfg.augment_crop_ratio)
+    return None if scale == (1, 1) and ratio[0] <= 1 <= ratio[1] else (scale, ratio)
+
+
 def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
-                   shuffle: bool, rank: int, world: int, num_workers: int | str) -> Batches:
+                   shuffle: bool, rank: int, world: int, num_workers: int | str,
+                   crop: Crop | None = None) -> Batches:
+    """`crop`: cut by a shards' worker (stages/lib/shards.py `cropped`); tensors get theirs in
+    `augment`."""
     workers = resolve_workers(num_workers)
     streamed = isinstance(split.x, ShardImages)
     # On CUDA the GPU decodes the JPEGs (nvJPEG): workers only read them and draw their crops.
     on_gpu = streamed and device.type == "cuda"
     sampler = EpochSampler(len(split.y), seed, shuffle, rank, world, keyed=streamed)
-    dataset = (EncodedStream if on_gpu else StreamedDataset)(split, seed) if streamed \
+    dataset = (EncodedStream if on_gpu else StreamedDataset)(split, seed, crop) if streamed \
         else IndexedDataset(split)
     dl = torch.utils.data.DataLoader(
         dataset, batch_size=plan.sizes[0], sampler=sampler, num_workers=workers,
@@ -108,8 +124,8 @@ def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: in
                 # What nvJPEG refuses, Pillow decodes here in the same box: still a function of
                 # (seed, epoch, index); a corrupt sample fails naming it.
                 x = decoded_batch(pixels, data, lengths, boxes, split.x.size, split.x.channels,
-                                  device, decode, lambda k, idx=idx, epoch=epoch: split.x.cropped(
-                                      int(idx[k]), dataset.crop_seed(int(idx[k]), epoch)))
+                                  device, decode, lambda k, idx=idx, epoch=epoch:
+                                  dataset.on_cpu(int(idx[k]), epoch))
             else:
                 x, y, idx = batch
             # non_blocking: the copy overlaps with compute (it is async from pinned memory).
@@ -137,9 +153,41 @@ def _hash(seed: int, epoch: int, idx: Tensor, salt: int) -> Tensor:
     return (z ^ (z >> 29)).abs()
 
 
-def augment(x: Tensor, idx: Tensor, seed: int, epoch: int, pad: int, hflip: bool) -> Tensor:
-    """Batched random crop with zero padding (and optional flip), on whatever device x is."""
+def uniform(seed: int, epoch: int, idx: Tensor, salt: int, draws: int) -> Tensor:
+    """(N, draws) float64 in [0, 1), keyed like `_hash`."""
+    keys = idx.long()[:, None] * draws + torch.arange(draws, device=idx.device)
+    return (_hash(seed, epoch, keys, salt) % 2**53).double() / 2**53
+
+
+def crop_boxes(seed: int, epoch: int, idx: Tensor, crop: Crop) -> Tensor:
+    """(N, 4) float64: each sample's random-resized crop, (top, left, height, width) as fractions
+    of the image as `fit` frames it (so the same box for tensors and shards, at any resolution):
+    torchvision's RandomResizedCrop draw, ten tries, then the whole image cut to the nearest
+    ratio allowed. The ratio is width/height in the image as validation sees it."""
+    (s_lo, s_hi), (r_lo, r_hi) = crop
+    u = uniform(seed, epoch, idx, 4, 40).view(-1, 10, 4)
+    area = s_lo + (s_hi - s_lo) * u[..., 0]
+    ratio = torch.exp(math.log(r_lo) + (math.log(r_hi) - math.log(r_lo)) * u[..., 1])
+    w, h = (area * ratio).sqrt(), (area / ratio).sqrt()
+    fits = (w <= 1) & (h <= 1)
+    first = fits.int().argmax(1, keepdim=True)  # the first try that fits (argmax: the first max)
+    w, h = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0]
+    top, left = (1 - h) * u[..., 2].gather(1, first)[:, 0], (1 - w) * u[..., 3].gather(1, first)[:, 0]
+    whole_h, whole_w = min(1.0, 1 / r_lo), min(1.0, r_hi)  # the image is square as `fit` frames it
+    box = torch.stack([top, left, h, w], 1)
+    whole = torch.tensor([(1 - whole_h) / 2, (1 - whole_w) / 2, whole_h, whole_w],
+                         dtype=torch.float64, device=idx.device)
+    return torch.where(fits.any(1, keepdim=True), box, whole)
+
+
+def augment(x: Tensor, idx: Tensor, seed: int, epoch: int, pad: int, hflip: bool,
+            crop: Crop | None = None) -> Tensor:
+    """Batched random-resized crop (of tensors: a shard's comes cropped), random crop with zero
+    padding and flip, on whatever device x is."""
     n, _, h, w = x.shape
+    if crop is not None:
+        boxes = crop_boxes(seed, epoch, idx, crop) * torch.tensor([h, w, h, w], device=x.device)
+        x = resized_crops(list(x), boxes, h)
     if pad:
         xp = F.pad(x, (pad, pad, pad, pad))
         dy = _hash(seed, epoch, idx, 1) % (2 * pad + 1)
@@ -206,37 +254,48 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class StreamedDataset(torch.utils.data.Dataset):
-    """A sharded split's samples, decoded and cropped in the DataLoader's workers: a random-
-    resized crop of the stored image, keyed like `augment` by (seed, epoch, index)."""
+    """A sharded split's samples, decoded in the DataLoader's workers, each through its random-
+    resized crop (`crop_boxes`, keyed like `augment` by (seed, epoch, index)) when `crop` asks
+    for one, or as validation decodes it (the tensors' image) when not."""
 
-    def __init__(self, split: Split, seed: int):
-        self.x, self.y, self.seed = split.x, split.y, seed
+    def __init__(self, split: Split, seed: int, crop: Crop | None = None):
+        self.x, self.y, self.seed, self.crop = split.x, split.y, seed, crop
 
     def __len__(self) -> int:
         return len(self.y)
 
-    def crop_seed(self, i: int, epoch: int) -> str:
-        # Python's Random seeds from a string's SHA-512: the same in every process and run.
-        return f"crop {self.seed} {epoch} {i}"
-
     def __getitem__(self, key: tuple[int, int]) -> tuple:
-        """(*sample, label, index); a sample's DataError reaches the training process in one line
-        (data.from_workers)."""
-        i, epoch = key
-        return *self.sample(i, self.crop_seed(i, epoch)), self.y[i], i
+        return self.__getitems__([key])[0]
 
-    def sample(self, i: int, seed: str) -> tuple[Tensor, ...]:
-        return (self.x.cropped(i, seed),)
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple]:
+        """A batch's (*sample, label, index), its crops drawn at once; a sample's DataError
+        reaches the training process in one line (data.from_workers)."""
+        idx = torch.tensor([i for i, _ in keys])
+        # A batch's keys are one epoch's (EpochSampler).
+        boxes = crop_boxes(self.seed, keys[0][1], idx, self.crop) if self.crop else \
+            [None] * len(keys)
+        return [(*self.sample(i, box), self.y[i], i) for i, box in zip(idx.tolist(), boxes, strict=True)]
+
+    def sample(self, i: int, box: Tensor | None) -> tuple[Tensor, ...]:
+        return (self.x.decoded(i) if box is None else self.x.cropped(i, box),)
+
+    def on_cpu(self, i: int, epoch: int) -> Tensor:
+        """Sample i of `epoch` decoded by Pillow here, its crop drawn again: where the GPU's
+        decoder refuses it."""
+        box = crop_boxes(self.seed, epoch, torch.tensor([i]), self.crop)[0] if self.crop else None
+        return StreamedDataset.sample(self, i, box)[0]
 
 
 class EncodedStream(StreamedDataset):
-    """StreamedDataset for the GPU's decoder: a JPEG sample as its bytes and crop box
-    (ShardImages.jpeg_crop), any other decoded and cropped here (its box -1)."""
+    """StreamedDataset for the GPU's decoder: a JPEG sample as its bytes and crop box in its
+    pixels (ShardImages.jpeg_crop; no crop: the whole image as `fit` frames it), any other
+    decoded here (its box -1)."""
 
-    def sample(self, i: int, seed: str) -> tuple[Tensor, Tensor]:
-        if (got := self.x.jpeg_crop(i, seed)) is not None:
+    def sample(self, i: int, box: Tensor | None) -> tuple[Tensor, Tensor]:
+        whole = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+        if (got := self.x.jpeg_crop(i, whole if box is None else box)) is not None:
             return got
-        return self.x.cropped(i, seed), torch.full((4,), -1)
+        return *super().sample(i, box), torch.full((4,), -1.0, dtype=torch.float64)
 
     @staticmethod
     def collate(samples: list) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:

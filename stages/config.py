@@ -208,6 +208,10 @@ class TrainConfig:
     overfit_batches: int = 0
     augment_crop_pad: int = 1
     augment_hflip: bool = False
+    # A random-resized crop's area (a fraction of the image) and aspect (width/height) ranges,
+    # torchvision's RandomResizedCrop's scale and ratio; area [1, 1]: off.
+    augment_crop_scale: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    augment_crop_ratio: list[float] = field(default_factory=lambda: [0.75, 1.3333333333333333])
     log_every: int = 50
     deterministic: bool = True
     resume: str = "auto"
@@ -241,6 +245,11 @@ class TrainConfig:
             _require(getattr(self, k) >= 0, f"train.{k}", getattr(self, k), "must be >= 0 (0 turns it off)")
         for k in ("momentum", "label_smoothing", "ema_decay"):
             _require(0 <= getattr(self, k) < 1, f"train.{k}", getattr(self, k), "must be in [0, 1)")
+        scale, ratio = self.augment_crop_scale, self.augment_crop_ratio
+        _require(len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1, "train.augment_crop_scale",
+                 scale, "give [min, max] areas with 0 < min <= max <= 1 ([1.0, 1.0]: off)")
+        _require(len(ratio) == 2 and 0 < ratio[0] <= ratio[1], "train.augment_crop_ratio", ratio,
+                 "give [min, max] aspect ratios (width/height) with 0 < min <= max")
         _require(0 < self.step_gamma <= 1, "train.step_gamma", self.step_gamma, "must be in (0, 1]")
         _require(0 < self.plateau_factor < 1, "train.plateau_factor", self.plateau_factor,
                  "must be in (0, 1)")

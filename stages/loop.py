@@ -27,11 +27,13 @@ from tqdm import tqdm
 from stages.batches import (
     Batches,
     BatchPlan,
+    Crop,
     augment,
     device_batches,
     epoch_order,
     loader_batches,
     plan_batches,
+    random_resized_crop,
     resolve_loader,
     windows,
 )
@@ -133,6 +135,7 @@ class Setup:
     shuffle: bool
     pad: int  # augmentation: random-crop padding (0: off)
     hflip: bool
+    crop: Crop | None  # the random-resized crop's ranges (None: off)
     loader: str  # "device" or "workers"
     plan: BatchPlan
 
@@ -260,7 +263,8 @@ def set_up(job: Job) -> Setup:
                  fmt=fmt, mean=torch.tensor(job.mean, device=device),
                  std=torch.tensor(job.std, device=device), train=train_split, shuffle=not overfit,
                  pad=0 if overfit else cfg.augment_crop_pad,
-                 hflip=cfg.augment_hflip and not overfit, loader=loader, plan=plan)
+                 hflip=cfg.augment_hflip and not overfit,
+                 crop=None if overfit else random_resized_crop(cfg), loader=loader, plan=plan)
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -273,7 +277,7 @@ def batch_source(setup: Setup) -> Batches:
     args = (setup.train, setup.plan, setup.device, job.seed, setup.shuffle, job.rank, job.world)
     if setup.loader == "device":
         return device_batches(*args)
-    return loader_batches(*args, setup.cfg.num_workers)
+    return loader_batches(*args, setup.cfg.num_workers, setup.crop)
 
 
 def build_parts(model: nn.Module, setup: Setup) -> Parts:
@@ -340,9 +344,11 @@ def forward_backward(setup: Setup, parts: Parts, window: list, epoch: int,
     window_n = sum(len(y) for _, y, _ in window)
     window_loss = torch.zeros((), device=setup.device)
     for i, (x, y, idx) in enumerate(window):
-        # Augmentation keyed by (seed, epoch, sample index), batched on the device.
-        if setup.pad or setup.hflip:
-            x = augment(x, idx, setup.job.seed, epoch, setup.pad, setup.hflip)
+        # Augmentation keyed by (seed, epoch, sample index), batched on the device; a streamed
+        # batch came through its resized crops in the workers.
+        crop = setup.crop if setup.loader != "stream" else None
+        if setup.pad or setup.hflip or crop:
+            x = augment(x, idx, setup.job.seed, epoch, setup.pad, setup.hflip, crop)
         x = normalize(x, setup.mean, setup.std).contiguous(memory_format=setup.fmt)
         # DDP: gradients are all-reduced once per window, on its last micro-batch.
         last = i == len(window) - 1

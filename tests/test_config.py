@@ -73,6 +73,12 @@ def test_scientific_notation_is_a_float(tmp_path):
     ("train:\n  precision: fp8\n", "train.precision='fp8'"),
     ("train:\n  compile: fast\n", "train.compile='fast'"),
     ("train: 3\n", "'train' must be a section"),
+    ("train:\n  augment_crop_scale: [0.5]\n", "train.augment_crop_scale=[0.5] is invalid: give "
+     "[min, max] areas with 0 < min <= max <= 1 ([1.0, 1.0]: off)"),
+    ("train:\n  augment_crop_scale: [0.9, 0.3]\n", "train.augment_crop_scale=[0.9, 0.3]"),
+    ("train:\n  augment_crop_scale: [0, 1]\n", "train.augment_crop_scale=[0.0, 1.0]"),
+    ("train:\n  augment_crop_ratio: [1.5, 0.5]\n", "train.augment_crop_ratio=[1.5, 0.5] is "
+     "invalid: give [min, max] aspect ratios (width/height) with 0 < min <= max"),
 ])
 def test_bad_params_fail_naming_the_key(tmp_path, text, expected):
     with pytest.raises(ParamsError) as err:

@@ -276,12 +276,11 @@ def test_a_jpeg_the_decoder_refuses_is_cropped_by_pillow_and_a_corrupt_one_named
     refused is Pillow's crop of the same box, as the CPU path gives it: a function of (seed,
     epoch, index). A JPEG Pillow cannot read either fails in one line naming it."""
     import io
-    import random
 
     import numpy as np
     from PIL import Image
 
-    from stages.batches import EncodedStream
+    from stages.batches import EncodedStream, crop_boxes
     from stages.lib import shards
     from stages.lib.images import DataError, Files
     from tests.support.image_files import lossless_jpeg
@@ -293,15 +292,16 @@ def test_a_jpeg_the_decoder_refuses_is_cropped_by_pillow_and_a_corrupt_one_named
     Path(paths[1]).write_bytes(lossless_jpeg(rng.integers(0, 256, (40, 56), dtype=np.uint8)))
     shards.write_split(tmp_path / "split", Files.of(paths, 0), 3, 16, "squash", 256, 2**20, 1)
     x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
+    boxes = crop_boxes(0, 1, torch.arange(3), ((0.35, 1.0), (0.75, 4 / 3)))
 
     def encoded(i: int) -> tuple:  # jpeg_crop's payload and box, for any JPEG
         data = x.raw(i)
         width, height = Image.open(io.BytesIO(data)).size
-        box = shards.crop_box(width, height, random.Random(f"s{i}"))
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box), x.labels()[i], i
+        box = x.box(boxes[i], width, height)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), box, x.labels()[i], i
 
     def crop(k: int) -> torch.Tensor:
-        return x.cropped(k, f"s{k}")
+        return x.cropped(k, boxes[k])
 
     batch = EncodedStream.collate([encoded(i) for i in range(3)])
     before = shards.COUNTS.refused

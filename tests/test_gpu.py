@@ -155,7 +155,8 @@ def test_streamed_jpegs_decode_on_the_gpu_as_the_workers_would_crop_them(jpeg_sh
     from stages.lib.shards import COUNTS, decoded_batch, nvjpeg
 
     split = load_split(jpeg_shards, "train")
-    enc, ref = EncodedStream(split, 3), StreamedDataset(split, 3)
+    crop = ((0.35, 1.0), (0.75, 4 / 3))
+    enc, ref = EncodedStream(split, 3, crop), StreamedDataset(split, 3, crop)
     n = len(split.y)
     batch = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
     boxes = batch[3]
@@ -179,8 +180,9 @@ def test_the_gpu_decode_waits_for_the_callers_queued_kernels(jpeg_shards):
     from stages.lib.shards import nvjpeg
 
     split = load_split(jpeg_shards, "train")
+    whole = torch.tensor([0.0, 0.0, 1.0, 1.0])
     payloads = [torch.frombuffer(bytearray(split.x.raw(i)), dtype=torch.uint8)
-                for i in range(len(split.y)) if split.x.jpeg_crop(i, 0) is not None]
+                for i in range(len(split.y)) if split.x.jpeg_crop(i, whole) is not None]
     cuda = torch.device("cuda")
     decode = nvjpeg(cuda, 3)
     want_images = [img.clone() for img in decode(payloads)]

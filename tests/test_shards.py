@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
 import tarfile
@@ -326,7 +325,8 @@ def test_the_gpu_decoders_batches_are_the_workers_crops(both):
     from stages.lib.shards import decoded_batch
 
     split = load_split(both["shards"][0] / "data/prepared", "train")
-    enc, ref = EncodedStream(split, 3), StreamedDataset(split, 3)
+    crop = ((0.35, 1.0), (0.75, 4 / 3))
+    enc, ref = EncodedStream(split, 3, crop), StreamedDataset(split, 3, crop)
     n = len(split.y)
     batch = EncodedStream.collate([enc[(i, 1)] for i in range(n)])
     boxes, ys, idx = batch[3:]
@@ -358,12 +358,14 @@ def test_validation_and_evaluate_decode_shards_in_workers_to_the_same_logits(bot
 @pytest.mark.parametrize("orientation", [1, 6])
 def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tmp_path,
                                                                               orientation):
-    """Pillow's draft: a 256x192 JPEG cropped to 16 px decodes at 1/4 (64x48, sides >= 32), and
-    the crop drawn at the full size is cut from it: the pixels of the whole decode's crop. Turned
-    a quarter by its EXIF orientation (6), the box is drawn at the turned size, 192x256."""
+    """Pillow's draft: a 256x192 JPEG cropped to 16 px through a box of half its sides decodes
+    at 1/4 (64x48: the box keeps 32x24 >= 16), and the box drawn at the full size is cut from it:
+    the pixels of the whole decode's crop. Turned a quarter by its EXIF orientation (6), the box
+    is drawn at the turned size, 192x256."""
     import numpy as np
     from PIL import Image
 
+    from stages.batches import crop_boxes
     from stages.lib import shards
     from stages.lib.images import Files, decode_pixels
 
@@ -376,16 +378,80 @@ def test_a_crop_decodes_a_large_jpeg_at_a_reduced_scale_and_cuts_the_same_box(tm
                        "squash", 256, 2**20, 1)
     x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
     size = (256, 192) if orientation == 1 else (192, 256)
-    drafted, full = x.pixels(0, x.draft)
+    drafted, full = x.pixels(0, 32)
     assert drafted.size == (size[0] // 4, size[1] // 4) and full == size
     whole, _ = decode_pixels((tmp_path / "a.jpg").read_bytes(), 3)
     assert whole.size == size
-    for seed in range(5):
-        top, left, h, w = shards.crop_box(*size, random.Random(seed))
+    boxes = torch.cat([torch.tensor([[0.25, 0.5, 0.5, 0.5]], dtype=torch.float64),
+                       crop_boxes(0, 0, torch.arange(4), ((0.35, 1.0), (0.75, 4 / 3)))])
+    for box in boxes:
+        top, left, h, w = (box * torch.tensor([size[1], size[0]] * 2)).tolist()
         want = np.asarray(whole.resize((16, 16), Image.Resampling.BICUBIC,
                                        box=(left, top, left + w, top + h))).transpose(2, 0, 1)
-        diff = (x.cropped(0, seed).int() - torch.from_numpy(want.copy()).int()).abs().float()
-        assert diff.mean() < 2, (seed, diff.mean())
+        diff = (x.cropped(0, box).int() - torch.from_numpy(want.copy()).int()).abs().float()
+        assert diff.mean() < 2, (box, diff.mean())
+
+
+@pytest.fixture
+def one_folder_both_ways(tmp_path):
+    """Six 16 px noise PNGs as prepare keeps them both ways: decoded into a tensor (decode_image)
+    and stored in a shard (write_split); the same pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from stages.data import Split
+    from stages.lib import shards
+    from stages.lib.images import Files, decode_image
+
+    rng = np.random.default_rng(0)
+    paths = [str(tmp_path / f"{k}.png") for k in range(6)]
+    for path in paths:
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(path)
+    shards.write_split(tmp_path / "split", Files.of(paths, 0), 3, 16, "squash", 256, 2**20, 1)
+    x = shards.ShardImages(tmp_path / "split", 3, 16, "squash")
+    tensor = torch.stack([torch.from_numpy(decode_image(p, 3, 16, "squash").copy()) for p in paths])
+    assert torch.equal(x[:], tensor)
+    return Split(tensor, x.labels()), Split(x, x.labels())
+
+
+def _one_batch(split, crop, epoch: int, loader: str):
+    """The epoch's one batch as the loop augments it: a resized crop drawn by (seed 5, epoch,
+    index), then the pad-crop and flip; a streamed batch came cropped from its workers."""
+    from stages.batches import augment, device_batches, loader_batches, plan_batches
+
+    plan, cpu = plan_batches(len(split.y), len(split.y), 1, 1), torch.device("cpu")
+    batches = device_batches(split, plan, cpu, 5, False, 0, 1) if loader == "device" else \
+        loader_batches(split, plan, cpu, 5, False, 0, 1, 0, crop)
+    (x, _, idx), = batches(epoch)
+    return augment(x, idx, 5, epoch, 1, True, crop if loader == "device" else None)
+
+
+def test_a_resized_crop_is_the_same_function_of_seed_epoch_and_index_for_tensors_and_shards(
+        one_folder_both_ways):
+    """train.augment_crop_*: the same crops of the same images whether prepare kept tensors or
+    shards (Pillow's bicubic on a shard, its port on tensors: within a level)."""
+    tensors, sharded = one_folder_both_ways
+    crop = ((0.35, 1.0), (0.75, 4 / 3))
+    for epoch in (0, 1):
+        a, b = _one_batch(tensors, crop, epoch, "device"), _one_batch(sharded, crop, epoch, "stream")
+        diff = (a.int() - b.int()).abs()
+        assert diff.max() <= 1 and diff.float().mean() < 0.1, (epoch, diff.max())
+    uncropped = _one_batch(tensors, None, 1, "device")
+    assert (a.int() - uncropped.int()).abs().float().mean() > 20
+
+
+def test_the_shard_path_with_default_params_applies_no_resized_crop(one_folder_both_ways):
+    """Off by default: a streamed batch is the tensors' batch, bit for bit, so `data.format:
+    auto` cannot change what is learned."""
+    from stages.batches import random_resized_crop
+    from stages.config import TrainConfig
+
+    tensors, sharded = one_folder_both_ways
+    crop = random_resized_crop(TrainConfig())
+    assert crop is None
+    for epoch in (0, 1):
+        assert torch.equal(_one_batch(tensors, crop, epoch, "device"),
+                           _one_batch(sharded, crop, epoch, "stream"))
 
 
 @pytest.fixture(scope="module")

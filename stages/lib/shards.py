@@ -2,8 +2,8 @@
 not fit in memory. Each split is a folder of tar files in WebDataset's layout (`<key>.<ext>` the
 image file, `<key>.cls` its label: WebDataset, DALI and `tar` read them), about `data.shard_mb` each,
 and index.npy: where each sample's bytes are. Images are kept encoded, downsized only past
-`data.store_size`, so train decodes and augments them at that resolution (a random-resized crop,
-in DataLoader workers), while val, test, evaluate and predict decode them with
+`data.store_size`, so train can cut a crop at that resolution (`cropped`: the box is the
+experiment's, stages/batches.py), while val, test, evaluate and predict decode them with
 `stages.lib.images.decode_image`, as prepare decodes a folder into tensors.
 
 Read through the index, not WebDataset's or LitData's streaming readers: those deal shards out to
@@ -19,7 +19,6 @@ import itertools
 import json
 import math
 import os
-import random
 import resource
 import tarfile
 import warnings
@@ -49,9 +48,6 @@ from stages.lib.images import (
 INDEX = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4"), ("label", "<i8")])
 # Formats kept byte for byte (when within store_size); others (BMP, TIFF) are stored as PNG.
 KEPT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
-# The random-resized crop's area and aspect ranges: torchvision's ImageNet ratio, a larger
-# minimum area than its 0.08 (small images, few classes).
-CROP_SCALE, CROP_RATIO = (0.35, 1.0), (3 / 4, 4 / 3)
 ORIENTATION = 0x0112  # the EXIF tag decode_pixels turns an image by
 
 
@@ -345,8 +341,11 @@ class ShardImages:
 
     def pixels(self, i: int, draft: int = 0) -> tuple[Image.Image, tuple[int, int]]:
         """Sample i as decode_pixels gives it: the image, and its size undrafted."""
+        data = self.raw(i)
+        if frame_marker(data) in LOSSLESS_FRAMES:
+            draft = 0  # libjpeg scales a DCT's output; a lossless JPEG fails to decode drafted
         try:
-            return decode_pixels(self.raw(i), self.channels, draft)
+            return decode_pixels(data, self.channels, draft)
         except DataError as e:
             raise DataError(f"{self.folder / shard_name(int(self.index[i]['shard']))}: sample {i} "
                             f"does not decode ({e}); rebuild it with `dvc repro -f prepare`") from None
@@ -363,31 +362,40 @@ class ShardImages:
             return torch.empty((0, *self.shape[1:]), dtype=torch.uint8)
         return torch.stack([self.decoded(i) for i in picked])
 
-    def cropped(self, i: int, seed: int | str) -> Tensor:
-        """Sample i at image_size through a random-resized crop of its stored resolution, the
-        crop drawn from `seed` alone (the loader keys it by seed, epoch and index)."""
-        img, (width, height) = self.pixels(i, self.draft)
-        top, left, h, w = crop_box(width, height, random.Random(seed))
-        # The box drawn at the full size (jpeg_crop's too), cut from the image as decoded.
-        sx, sy = img.width / width, img.height / height
-        # What torchvision's resized_crop does to a PIL image, and val's resize (fit) too.
+    def frame(self, width: int, height: int) -> tuple[float, float, float, float]:
+        """(top, left, height, width) in an image of that size of what `fit` keeps of it
+        (data.resize): the whole image, or its centred square."""
+        if self.resize == "squash":
+            return 0.0, 0.0, float(height), float(width)
+        side = min(width, height)
+        return (height - side) / 2, (width - side) / 2, float(side), float(side)
+
+    def box(self, crop: Tensor, width: int, height: int) -> Tensor:
+        """`crop` (top, left, height, width as fractions of the image as `fit` frames it) in
+        the pixels of an image of that size."""
+        top, left, h, w = self.frame(width, height)
+        return torch.tensor([top, left, 0.0, 0.0], dtype=torch.float64) + \
+            crop.double() * torch.tensor([h, w, h, w], dtype=torch.float64)
+
+    def cropped(self, i: int, crop: Tensor) -> Tensor:
+        """Sample i's box `crop` (see `box`), cut from its stored resolution and resized to
+        image_size by Pillow's bicubic filter (`resized_crops` on a tensor, within a level)."""
+        # Pillow's draft decodes a JPEG at 1/2, 1/4 or 1/8 while the box keeps image_size pixels
+        # or more a side (libjpeg scales its inverse DCT: a fraction of the work).
+        img, (width, height) = self.pixels(i, math.ceil(self.size / float(crop[2:].min())))
+        # The box is drawn at the full size, cut from the image as decoded.
+        top, left, h, w = (self.box(crop, width, height) * torch.tensor(
+            [img.height / height, img.width / width] * 2, dtype=torch.float64)).tolist()
         img = img.resize((self.size, self.size), Image.Resampling.BICUBIC,
-                         box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+                         box=(left, top, left + w, top + h))
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).reshape(
             self.size, self.size, self.channels).transpose(2, 0, 1).copy())
 
-    @property
-    def draft(self) -> int:
-        """The side a JPEG is decoded down to for a crop: a crop keeps at least 35% of the area
-        at 3:4 to 4:3, so its shorter side is about half the image's or more, and is still
-        downsized to image_size."""
-        return 2 * self.size
-
-    def jpeg_crop(self, i: int, seed: int | str) -> tuple[Tensor, Tensor] | None:
-        """Sample i's JPEG bytes and `cropped`'s crop box, for the GPU's JPEG decoder; None where
-        that decoder would not give decode_pixels' image (not a plain RGB or grey JPEG, or turned
-        by its EXIF orientation) or would decode it on the host (not GPU_FRAMES), which `cropped`
-        then decodes here."""
+    def jpeg_crop(self, i: int, crop: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Sample i's JPEG bytes and the box of `cropped` in its pixels, for the GPU's JPEG
+        decoder; None where that decoder would not give decode_pixels' image (not a plain RGB or
+        grey JPEG, or turned by its EXIF orientation) or would decode it on the host (not
+        GPU_FRAMES), which `cropped` then decodes here."""
         data = self.raw(i)
         if frame_marker(data) not in GPU_FRAMES:
             return None
@@ -396,14 +404,14 @@ class ShardImages:
                     img.getexif().get(ORIENTATION, 1) != 1:
                 return None
             width, height = img.size
-        box = crop_box(width, height, random.Random(seed))
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), torch.tensor(box)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), self.box(crop, width, height)
 
 
 # Baseline and extended Huffman JPEGs: what nvJPEG decodes on the GPU. It decodes progressive ones
 # (SOF2) on the host, one image at a time on the training thread with a sync after each, and
 # refuses lossless and arithmetic ones: the workers decode those, as on the CPU path.
 GPU_FRAMES = (0xC0, 0xC1)
+LOSSLESS_FRAMES = (0xC3, 0xC7, 0xCB, 0xCF)
 
 
 def frame_marker(data: bytes) -> int | None:
@@ -504,57 +512,62 @@ def decoded_batch(pixels: Tensor, data: Tensor, lengths: Tensor, boxes: Tensor, 
 
 
 def resized_crops(images: list[Tensor], boxes: Tensor, size: int) -> Tensor:
-    """uint8 (N, C, size, size): each image's box (top, left, height, width) resized to size x
-    size with Pillow's bicubic (antialiased), as `cropped` does, in two batched products with the
-    filters' weights, not a handful of kernels an image."""
+    """uint8 (N, C, size, size): box k (top, left, height, width in pixels, fractions allowed) of
+    uint8 (C, H, W) image k resized to size x size, on the images' device: what Pillow's bicubic
+    resize with a box does (`cropped`), in float32 and batched, within a level of its fixed
+    point, for the tensors' crops and the GPU's decodes."""
+    n, c = len(images), images[0].shape[0]
+    h, w = max(img.shape[1] for img in images), max(img.shape[2] for img in images)
     device = images[0].device
-    crops = torch.zeros(len(images), images[0].shape[0], int(boxes[:, 2].max()),
-                        int(boxes[:, 3].max()), dtype=torch.float32, device=device)
-    for k, (img, (top, left, h, w)) in enumerate(zip(images, boxes.tolist(), strict=True)):
-        crops[k, :, :h, :w] = img[:, top:top + h, left:left + w]
-    lengths = boxes[:, 2:].to(device)
-    rows = bicubic_weights(lengths[:, 0], size, crops.shape[2])
-    cols = bicubic_weights(lengths[:, 1], size, crops.shape[3])
-    # Across, then down, rounded to whole levels between, as Pillow does.
-    across = (crops @ cols[:, None].transpose(2, 3)).round_().clamp_(0, 255)
-    return (rows[:, None] @ across).round_().clamp_(0, 255).to(torch.uint8)
+    if all(img.shape[1:] == (h, w) for img in images):
+        x = torch.stack(images).float()
+    else:  # zeros past each image, which no weight reads
+        x = torch.zeros(n, c, h, w, device=device)
+        for k, img in enumerate(images):
+            x[k, :, :img.shape[1], :img.shape[2]] = img
+    sides = torch.tensor([img.shape[1:] for img in images], device=device)  # (N, 2)
+    boxes = boxes.to(device)
+    # Across, then down, rounded to 8 bits between, as Pillow. Each pass reads rows of an
+    # (N * side, the rest) view, tap by tap: every output pixel sums the same products in the
+    # same order for any N or thread count.
+    wide = _resample(x.permute(0, 3, 1, 2).reshape(n * w, c * h), boxes[:, 1], boxes[:, 3],
+                     sides[:, 1], w, size).round_().clamp_(0, 255)  # (N * size, C * H)
+    out = _resample(wide.view(n, size, c, h).permute(0, 3, 1, 2).reshape(n * h, size * c),
+                    boxes[:, 0], boxes[:, 2], sides[:, 0], h, size)  # (N * size, size * C)
+    return out.view(n, size, size, c).permute(0, 3, 1, 2).round_().clamp_(0, 255).to(torch.uint8)
 
 
-def bicubic_weights(lengths: Tensor, size: int, width: int) -> Tensor:
-    """(N, size, width): the weights of Pillow's antialiased bicubic (a = -0.5) from an input of
-    lengths[n] samples (zero past it) to `size`; the filter widens by the downscale factor."""
-    scale = (lengths.float() / size)[:, None, None]
-    stretch = scale.clamp(min=1)
-    centers = (torch.arange(size, device=lengths.device) + 0.5)[None, :, None] * scale
-    t = ((torch.arange(width, device=lengths.device) + 0.5)[None, None, :] - centers) / stretch
-    t = t.abs()
-    a = -0.5
-    wt = torch.where(t < 1, ((a + 2) * t - (a + 3)) * t * t + 1,
-                     torch.where(t < 2, (((t - 5) * t + 8) * t - 4) * a, torch.zeros_like(t)))
-    wt = wt * (torch.arange(width, device=lengths.device)[None, None, :] < lengths[:, None, None])
-    return wt / wt.sum(-1, keepdim=True)
+def _resample(rows: Tensor, start: Tensor, length: Tensor, sides: Tensor, n_in: int,
+              n_out: int) -> Tensor:
+    """(N * n_out, F) from the (N * n_in, F) rows of N images (sides[k] of them real): [start,
+    start + length) of each resampled to n_out."""
+    n = len(start)
+    taps, weights = _taps(start, length, sides, n_in, n_out)  # (N, n_out, T) each
+    taps = (taps + n_in * torch.arange(n, device=rows.device)[:, None, None]).view(n * n_out, -1)
+    taps, weights = taps.T.contiguous(), weights.view(n * n_out, -1).T.contiguous()[:, :, None]
+    out = torch.zeros(n * n_out, rows.shape[1], device=rows.device)
+    for t in range(len(taps)):
+        out += rows.index_select(0, taps[t]) * weights[t]
+    return out
 
 
-def crop_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
-    """(top, left, height, width) of a random-resized crop: torchvision's RandomResizedCrop
-    draw, from a generator of the sample's own (torchvision's draws from the global RNG; a
-    Python Random costs a few microseconds a sample, torch's tensor draws ten times that)."""
-    area = width * height
-    log_ratio = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
-    for _ in range(10):
-        target = area * rng.uniform(*CROP_SCALE)
-        ratio = math.exp(rng.uniform(*log_ratio))
-        w, h = round((target * ratio) ** 0.5), round((target / ratio) ** 0.5)
-        if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
-    ratio = width / height  # as torchvision: the whole image, cut to the nearest ratio allowed
-    if ratio < CROP_RATIO[0]:
-        w, h = width, round(width / CROP_RATIO[0])
-    elif ratio > CROP_RATIO[1]:
-        w, h = round(height * CROP_RATIO[1]), height
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
+def _taps(start: Tensor, length: Tensor, sides: Tensor, n_in: int,
+          n_out: int) -> tuple[Tensor, Tensor]:
+    """Pillow's resampling coefficients (Resample.c) for n_out pixels over [start, start +
+    length) of an image of `sides` pixels: for each output pixel, the input pixels it reads and
+    their weights."""
+    scale = (length / n_out).float()  # input pixels per output pixel
+    support = scale.clamp(min=1)[:, None, None]
+    center = start.float()[:, None] + (torch.arange(n_out, device=start.device) + 0.5) * scale[:, None]
+    reach = 2 * max(n_in / n_out, 1)  # the bicubic's support (2), widened, at its largest
+    first = (center - reach).floor()[:, :, None]
+    pixels = first + torch.arange(int(2 * reach) + 2, device=start.device)  # (N, n_out, T)
+    d = ((pixels + 0.5 - center[:, :, None]) / support).abs()
+    a = -0.5  # Pillow's bicubic
+    weight = torch.where(d < 1, ((a + 2) * d - (a + 3)) * d * d + 1,
+                         torch.where(d < 2, (((d - 5) * d + 8) * d - 4) * a, 0.0))
+    weight = torch.where((pixels >= 0) & (pixels < sides[:, None, None]), weight, 0.0)
+    return pixels.clamp(0, n_in - 1).long(), weight / weight.sum(-1, keepdim=True)
 
 
 def is_sharded(prepared: Path, name: str) -> bool:

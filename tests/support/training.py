@@ -97,12 +97,14 @@ class InfGradOnce(nn.Module):
 def stream_fit(prep, workers: int, epochs: int = 2, model: nn.Module | None = None,
                batch_size: int = 16, rank: int = 0, world: int = 1, **cfg):
     """A model (by default a width-8 CNN) trained on a prepared folder (shards: train.loader
-    auto is stream), by this process as `rank` of `world` where a process group is up."""
+    auto is stream) with every augmentation on, by this process as `rank` of `world` where a
+    process group is up."""
     meta = load_meta(prep)
     torch.manual_seed(0)
     model = model or build_model(ModelConfig(width=8), 3, len(meta["classes"]), meta["image_size"])
     config = TrainConfig(**{**CPU_FP32, "loader": "auto", "num_workers": workers,
-                            "augment_crop_pad": 1, "augment_hflip": True, **cfg})
+                            "augment_crop_pad": 1, "augment_hflip": True,
+                            "augment_crop_scale": [0.35, 1.0], **cfg})
     job = Job(train=load_split(prep, "train"), val=load_split(prep, "val"), mean=meta["mean"],
               std=meta["std"], cfg=config, lr=3e-3, epochs=epochs, batch_size=batch_size,
               seed=0, rank=rank, world=world)
