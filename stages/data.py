@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,22 +82,28 @@ def checked_labels(y: Tensor, classes: int, path: Path) -> Tensor:
     return y
 
 
-def resolve_workers(num_workers: int | str) -> int:
+def resolve_workers(num_workers: int | str, local_world: int | None = None) -> int:
+    """A process's DataLoader workers; `auto` shares the node's cores among the `local_world`
+    training processes on it (torchrun's LOCAL_WORLD_SIZE): 8 ranks would otherwise fork 8
+    each."""
     if num_workers != "auto":
         return int(num_workers)
-    # One core stays with the training process; more than 8 workers rarely pays for small images.
-    return max(0, min(8, (os.cpu_count() or 1) - 1))
+    ranks = local_world or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # One core stays with each training process; more than 8 workers rarely pays for small images.
+    return max(0, min(8, (os.cpu_count() or 1) // ranks - 1))
 
 
-def in_batches(split: Split, batch_size: int, workers: int = 0) -> Iterator[Tensor]:
-    """The split's images in order, `batch_size` at a time. A sharded split's are decoded by
-    `workers` DataLoader processes, a batch each: validation and evaluate of a large split
-    would otherwise decode it on one core."""
+def in_batches(split: Split, batch_size: int, workers: int = 0) -> Iterable[Tensor]:
+    """The split's images in order, `batch_size` at a time, on every pass over it. A sharded
+    split's are decoded by `workers` DataLoader processes, a batch each: validation and evaluate
+    of a large split would otherwise decode it on one core. They stay up between passes
+    (validation's, every epoch), not forked again each time."""
     batches = _Batches(split.x, batch_size)
     if workers == 0 or isinstance(split.x, Tensor):
-        return (batches[k] for k in range(len(batches)))
-    return from_workers(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
-                                                    timeout=BATCH_TIMEOUT_S))
+        return batches
+    return WorkerBatches(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
+                                                     persistent_workers=True,
+                                                     timeout=BATCH_TIMEOUT_S))
 
 
 # A batch the workers have not handed over in this long is lost: a worker is stuck, or torch's
@@ -129,6 +135,15 @@ def from_workers(loader: torch.utils.data.DataLoader) -> Iterator:
 
 
 @dataclass
+class WorkerBatches:
+    """A DataLoader's batches on every pass over them, a worker's error as one line."""
+    loader: torch.utils.data.DataLoader
+
+    def __iter__(self) -> Iterator:
+        return from_workers(self.loader)
+
+
+@dataclass
 class _Batches(torch.utils.data.Dataset):
     x: Tensor | shards.ShardImages
     size: int
@@ -138,6 +153,9 @@ class _Batches(torch.utils.data.Dataset):
 
     def __getitem__(self, k: int) -> Tensor:
         return self.x[k * self.size:(k + 1) * self.size]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self[k] for k in range(len(self)))
 
 
 def normalize(x: Tensor, mean: Tensor, std: Tensor) -> Tensor:

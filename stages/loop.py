@@ -16,6 +16,7 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -39,7 +40,7 @@ from stages.batches import (
 )
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig
-from stages.data import Split, normalize, resolve_workers
+from stages.data import Split, in_batches, normalize, resolve_workers
 from stages.lib.errors import StageWarning, UserError
 from stages.metrics import EPOCH, epoch_line
 from stages.models import loss_fn
@@ -138,6 +139,7 @@ class Setup:
     crop: Crop | None  # the random-resized crop's ranges (None: off)
     loader: str  # "device" or "workers"
     plan: BatchPlan
+    val: Iterable[Tensor]  # the validation split's batches, its workers kept across epochs
 
     @property
     def cfg(self) -> TrainConfig:
@@ -228,7 +230,7 @@ def train(model: nn.Module, job: Job, io: RunIO = RunIO()) -> TrainResult:
         sums = train_epoch(setup, parts, state, guard, batches(epoch), epoch, io)
         figures = epoch_figures(sums, setup, state, guard, epoch, t0)
         share_batchnorm(parts, job.world)
-        figures |= validate(parts, job.val, setup, max(job.batch_size, 256))
+        figures |= validate(parts, job.val, setup)
         figures |= {"epoch_s": time.perf_counter() - t0, "peak_mem_mb": peak_mem_mb(setup.device)}
         row = epoch_row(epoch, figures)
         report_epoch(row, state, io, job)
@@ -264,7 +266,8 @@ def set_up(job: Job) -> Setup:
                  std=torch.tensor(job.std, device=device), train=train_split, shuffle=not overfit,
                  pad=0 if overfit else cfg.augment_crop_pad,
                  hflip=cfg.augment_hflip and not overfit,
-                 crop=None if overfit else random_resized_crop(cfg), loader=loader, plan=plan)
+                 crop=None if overfit else random_resized_crop(cfg), loader=loader, plan=plan,
+                 val=in_batches(job.val, max(job.batch_size, 256), resolve_workers(cfg.num_workers)))
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -452,12 +455,10 @@ def share_batchnorm(parts: Parts, world: int) -> None:
             torch.distributed.broadcast(buffer, 0)
 
 
-def validate(parts: Parts, split: Split, setup: Setup, batch_size: int) -> dict[str, float]:
+def validate(parts: Parts, split: Split, setup: Setup) -> dict[str, float]:
     net = parts.ema.module if parts.ema is not None else parts.net
-    logits = predict(net, split, setup.mean, setup.std, device=setup.device,
-                     precision=setup.precision, batch_size=batch_size,
-                     channels_last=setup.cfg.channels_last,
-                     workers=resolve_workers(setup.cfg.num_workers))
+    logits = predict(net, setup.val, setup.mean, setup.std, device=setup.device,
+                     precision=setup.precision, channels_last=setup.cfg.channels_last)
     loss, acc = loss_fn()(logits, split.y).item(), (logits.argmax(1) == split.y).float().mean().item()
     if setup.job.world > 1:
         # Rank 0's figures for every process: they decide the best epoch, plateau cuts and early

@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import resource
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -142,15 +143,16 @@ def peak_mem_mb(device: torch.device) -> float:
 
 
 @torch.inference_mode()
-def predict(model: nn.Module, split: Split, mean: Tensor, std: Tensor, *, device: torch.device,
-            precision: str = "fp32", batch_size: int = 512,
+def predict(model: nn.Module, split: Split | Iterable[Tensor], mean: Tensor, std: Tensor, *,
+            device: torch.device, precision: str = "fp32", batch_size: int = 512,
             channels_last: bool = False, workers: int = 0) -> Tensor:
-    """Logits (float32, on the CPU) for a whole split, in order; a sharded split decoded by
-    `workers` processes."""
+    """Logits (float32, on the CPU) for a whole split, in order: given as its `in_batches`
+    (kept by validation across epochs), or batched here, a sharded one decoded by `workers`
+    processes."""
     model.eval()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     out = []
-    for x in in_batches(split, batch_size, workers):
+    for x in in_batches(split, batch_size, workers) if isinstance(split, Split) else split:
         x = x.to(device, non_blocking=True)
         x = normalize(x, mean, std).contiguous(memory_format=fmt)
         with autocast(device, precision):

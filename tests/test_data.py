@@ -111,3 +111,20 @@ def test_a_truncated_prepared_split_fails_naming_it(tmp_path, digits):
     p = run([sys.executable, "-m", "stages.train"], w, env=env_with(PYTHONPATH=str(ROOT)),
             check=False)
     assert p.returncode == 1 and "data/prepared/train.pt: unreadable" in one_error_line(p.stderr)
+
+
+def test_auto_workers_share_the_node_s_cores_among_its_ranks(monkeypatch):
+    """train.num_workers: auto under torchrun: each of the node's LOCAL_WORLD_SIZE ranks keeps a
+    core and forks what is left of its share, so the ranks and their workers never take more
+    cores than the node has (8 ranks on 16 cores forked 8 x 8 = 64 decoders)."""
+    from stages.data import resolve_workers
+
+    cpus = os.cpu_count() or 1
+    assert resolve_workers("auto", 1) == max(0, min(8, cpus - 1))
+    for ranks in (2, 8, cpus):
+        workers = resolve_workers("auto", ranks)
+        assert ranks * (workers + 1) <= max(cpus, ranks), (ranks, workers)
+        assert workers == max(0, min(8, cpus // ranks - 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus))  # as torchrun sets it: one rank per core
+    assert resolve_workers("auto") == 0
+    assert resolve_workers(3) == 3  # a number is taken as asked

@@ -634,3 +634,28 @@ def test_a_label_past_meta_s_classes_is_named_with_its_file_and_row(both, tmp_pa
         with pytest.raises(UserError, match=rf"^{path}: row 5 has label 99, and meta.json lists "
                                             r"3 classes \(labels 0 to 2\); rebuild it with"):
             load_split(prep, "train")
+def test_validation_keeps_its_decoding_workers_across_epochs(one_folder_both_ways):
+    """A sharded val split is decoded by worker processes forked once, not every epoch: in
+    epochs 2 and 3 the same two children live beside the training steps (the training loader's
+    worker and validation's), and no other was started."""
+    import multiprocessing
+
+    from stages.config import TrainConfig
+    from stages.loop import Job, RunIO, train
+    from tests.support.training import CPU_FP32
+
+    _, sharded = one_folder_both_ways
+    seen: dict[int, set[int]] = {}
+
+    def log(metrics: dict, step: int, durable: bool = False) -> None:
+        if "train_loss_step" in metrics:  # after every step (log_every 1), 3 an epoch
+            seen.setdefault((step - 1) // 3, set()).update(
+                p.pid for p in multiprocessing.active_children())
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
+    cfg = TrainConfig(**{**CPU_FP32, "loader": "auto", "num_workers": 1, "log_every": 1})
+    job = Job(train=sharded, val=sharded, mean=[0.5] * 3, std=[0.25] * 3, cfg=cfg, lr=1e-3,
+              epochs=3, batch_size=2, seed=0)
+    train(model, job, RunIO(log=log, progress=False, verbose=False))
+    assert len(seen[1]) == 2 and seen[1] == seen[2], seen
