@@ -266,8 +266,8 @@ def test_make_exps_keeps_earlier_commits_experiments_and_shows_no_hashes(tmp_pat
         shutil.copy2(ROOT / name, repo / name)  # copy2: the venv's stamp stays newer than the lock
     copy_params(repo)
     (repo / "dvc.yaml").write_text(EXPS_STAGE)
-    (repo / "data/raw").mkdir(parents=True)
-    (repo / "data/raw/README.md").write_text("data.root's default\n")
+    (repo / "data/raw/digits").mkdir(parents=True)
+    (repo / "data/raw/digits/README.md").write_text("data.root's default\n")
     run(["git", "init", "-q", "-b", "main"], repo)
     run(["dvc", "init", "-q", "--force"], repo)
     shutil.copy2(ROOT / ".dvc/config", repo / ".dvc/config")
@@ -288,7 +288,7 @@ def test_make_exps_keeps_earlier_commits_experiments_and_shows_no_hashes(tmp_pat
     assert table[0].split() == ["Experiment", "test_acc", "lr", "epochs", "batch_size",
                                 "data.root"], p.stdout
     rows = {line.split()[0]: line.split()[1:] for line in table[1:]}
-    assert rows["on-digits"] == ["0.5", "0.01", "30", "64", "data/raw"], p.stdout
+    assert rows["on-digits"] == ["0.5", "0.01", "30", "64", "data/raw/digits"], p.stdout
     assert rows["on-shapes"] == ["0.5", "0.01", "30", "64", "shapes"], p.stdout
     first = run(["git", "rev-parse", "--short", "HEAD~1"], repo).stdout.strip()
     assert list(rows) == ["workspace", "main", "on-shapes", first, "on-digits"], p.stdout

@@ -646,11 +646,13 @@ def test_validation_keeps_its_decoding_workers_across_epochs(one_folder_both_way
 
     _, sharded = one_folder_both_ways
     seen: dict[int, set[int]] = {}
+    # Children of this process that train did not start: under xdist, an earlier test's.
+    before = {p.pid for p in multiprocessing.active_children()}
 
     def log(metrics: dict, step: int, durable: bool = False) -> None:
         if "train_loss_step" in metrics:  # after every step (log_every 1), 3 an epoch
             seen.setdefault((step - 1) // 3, set()).update(
-                p.pid for p in multiprocessing.active_children())
+                p.pid for p in multiprocessing.active_children() if p.pid not in before)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
