@@ -241,6 +241,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     "test_bench.py": (
         "test_quick_bench_runs_every_row_and_writes_its_outputs",
         "test_storage_bench_times_both_remotes_and_leaves_nothing_behind",
+        "test_bench_on_the_prepared_split_puts_a_plain_loop_beside_the_repos",
     ),
     "test_byod.py": "test_prepare_says_when_it_resizes_from_what_to_what_and_the_key_that_keeps_the_size",
     "test_checkpoints.py": (

@@ -35,6 +35,29 @@ def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_on_the_prepared_split_puts_a_plain_loop_beside_the_repos(tmp_path):
+    """Issue 57: the time of an epoch on a real dataset, the repo's loop against a textbook one
+    on the same model and data. Here a small Fashion-MNIST, prepared as the train stage has it."""
+    from tests.test_byod import _gzipped_fashion, prepare
+
+    _gzipped_fashion(tmp_path / "fashion/FashionMNIST/raw")
+    prepare(tmp_path, **{"data.source": "fashion_mnist", "data.root": str(tmp_path / "fashion"),
+                         "model.width": "8"})
+    out = tmp_path / "bench"
+    run([sys.executable, "-m", "stages.bench.training", "--datasets", "prepared", "--rows",
+         "standard,plain,optimized", "--rounds", "1", "--steps", "3", "--batch-size", "16",
+         "--out", str(out)], tmp_path, env=env_with(PYTHONPATH=str(ROOT)))
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["standard", "plain", "optimized"]
+    for r in rows:  # 200 train images, a tenth of them carved out for validation
+        assert r["about"] == {"source": "fashion_mnist", "train_images": 180, "shape": "1x16x16"}
+        assert r["split_epoch_s"] == pytest.approx(180 / r["samples_per_s"])
+        assert r["epoch_s"] == pytest.approx(48 / r["samples_per_s"])  # 3 steps of 16
+    text = (out / "report.md").read_text()
+    assert "**prepared** (fashion_mnist, 1x16x16)" in text and "| plain (batch 16) |" in text
+    assert "one epoch of its 180 train images takes " in text and " s (plain), " in text
+
+
 def test_unknown_row_is_refused():
     p = run([sys.executable, "-m", "stages.bench.training", "--rows", "standard,turbo"], ROOT,
             env=env_with(PYTHONPATH=str(ROOT)), check=False)

@@ -1,7 +1,8 @@
 """python -m stages.bench.training: the loop-optimization table, measured side by side on this machine.
 
-Every row is the repo's own `train()` with some switches changed, on the same model, the same
-initial weights, the same batch size and the same number of steps. Rounds are interleaved
+Every row but `plain` is the repo's own `train()` with some switches changed, on the same model,
+the same initial weights, the same batch size and the same number of steps; `plain` is a
+textbook PyTorch loop written out here, outside the repo's code. Rounds are interleaved
 (A B C ... A B C ...) so that a noisy neighbour slows every row alike; each round trains two
 epochs and times the second, so worker start-up and compilation stay out of the steady-state
 figure (compilation is reported in its own column). One warm-up round is discarded.
@@ -17,18 +18,20 @@ import datetime
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from stages.bench import cpu_label
 from stages.config import PREPARED, DataConfig, TrainConfig, load_params
-from stages.data import Split, load_meta, load_split
+from stages.data import Split, load_meta, load_split, normalize
 from stages.lib.cli import ArgumentParser, positive_int
 from stages.lib.files import atomic_write, write_json, write_text
 from stages.loop import Job, RunIO, train
 from stages.models import build_model
 from stages.runtime import (
+    peak_mem_mb,
     proc_status_mb,
     reset_peak_mem,
     resolve_device,
@@ -42,6 +45,7 @@ STANDARD = dict(loader="dataloader", num_workers=0, precision="fp32", channels_l
                 compile=False, log_every=1, clip_grad_norm=0.0, accumulate=1, ema=False)
 ROWS: dict[str, tuple[dict, int]] = {  # name: (train overrides, batch-size multiplier)
     "standard": (STANDARD, 1),
+    "plain": ({}, 1),  # not train(): `plain_row`, the loop a user would write without this repo
     "grad_accum": ({**STANDARD, "accumulate": 4}, 1),
     "amp": ({**STANDARD, "precision": "auto"}, 1),
     "pinned_workers": ({**STANDARD, "num_workers": "auto"}, 1),
@@ -62,7 +66,8 @@ NOISY_SPREAD = 0.25
 
 def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
              data_cfg: DataConfig) -> dict:
-    """name -> (train, val, mean, std, channels, classes): digits, CIFAR-sized noise, data/prepared."""
+    """name -> (train, val, mean, std, channels, classes, about): digits, CIFAR-sized noise,
+    data/prepared; `about` names prepared's data and the size of its train split."""
     out = {}
     g = torch.Generator().manual_seed(seed)
     if "digits" in names:
@@ -74,18 +79,20 @@ def datasets(names: list[str], n: int, synthetic_size: int, seed: int,
         val = Split(x[parts["val"]][:64], y[parts["val"]][:64])
         meta = build_meta({"train": tr, "val": val, "test": val}, [str(i) for i in range(10)],
                           dataclasses.replace(data_cfg, image_size=16, channels=1))
-        out["digits"] = (tr, val, meta["mean"], meta["std"], 1, 10)
+        out["digits"] = (tr, val, meta["mean"], meta["std"], 1, 10, None)
     if "prepared" in names:  # the train stage's own data: `dvc repro prepare` first
         meta = load_meta(PREPARED)
         tr, val = load_split(PREPARED, "train"), load_split(PREPARED, "val")
         idx = torch.arange(n) % len(tr.y)
+        about = {"source": meta["source"], "train_images": len(tr.y),
+                 "shape": "x".join(map(str, tr.x.shape[1:]))}
         out["prepared"] = (Split(tr.x[idx], tr.y[idx]), val, meta["mean"], meta["std"],
-                           meta["channels"], len(meta["classes"]))
+                           meta["channels"], len(meta["classes"]), about)
     if "cifar" in names:
         s = synthetic_size
         x = torch.randint(0, 256, (n + 64, 3, s, s), dtype=torch.uint8, generator=g)
         y = torch.randint(0, 10, (n + 64,), generator=g)
-        out["cifar"] = (Split(x[:n], y[:n]), Split(x[n:], y[n:]), [0.5] * 3, [0.25] * 3, 3, 10)
+        out["cifar"] = (Split(x[:n], y[:n]), Split(x[n:], y[n:]), [0.5] * 3, [0.25] * 3, 3, 10, None)
     return out
 
 
@@ -111,6 +118,41 @@ def run_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int
             None if base is None else peak - base}
 
 
+def plain_row(model, data, cfg: TrainConfig, batch_size: int, lr: float, seed: int) -> dict:
+    """The textbook loop, outside the repo's code: a shuffling DataLoader in the main process,
+    fp32, NCHW, torch's default AdamW, a .item() every step; no augmentation, clipping or
+    schedule, so it does less work per step than `standard`. Two epochs, the second timed."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    tr, _, mean, std = data[:4]
+    device = resolve_device(cfg.device)
+    model = model.to(device).train()
+    mean_t, std_t = torch.tensor(mean, device=device), torch.tensor(std, device=device)
+    loader = DataLoader(TensorDataset(tr.x, tr.y), batch_size=batch_size, shuffle=True,
+                        generator=torch.Generator().manual_seed(seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    with contextlib.suppress(OSError, AttributeError):  # as in run_row
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = proc_status_mb("VmRSS")
+    epochs = []
+    for _ in range(2):
+        has_peak = reset_peak_mem(device)
+        t0, total = time.perf_counter(), 0.0
+        for x, y in loader:
+            x, y = normalize(x.to(device), mean_t, std_t), y.to(device)
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()  # the textbook's running loss: a sync every step
+        epochs.append((time.perf_counter() - t0, peak_mem_mb(device) if has_peak else None))
+    (first_s, _), (second_s, peak) = epochs
+    return {"samples_per_s": len(tr.y) / second_s, "train_s": second_s, "first_train_s": first_s,
+            "peak_mem_mb": peak if device.type == "cuda" or peak is None or base is None
+            else peak - base}
+
+
 def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size: int,
           synthetic_size: int, cifar_width: int) -> dict:
     params = load_params()
@@ -133,7 +175,8 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
                 cfg = dataclasses.replace(base_cfg, **overrides)
                 bs = batch_size * mult
                 tr = Split(data[0].x[:steps * bs], data[0].y[:steps * bs])
-                m = run_row(copy.deepcopy(init), (tr, *data[1:]), cfg, bs, params.lr, params.seed)
+                m = (plain_row if row == "plain" else run_row)(
+                    copy.deepcopy(init), (tr, *data[1:]), cfg, bs, params.lr, params.seed)
                 if round_:
                     samples[row].append(m)
                 else:  # round 0 warms up caches, allocators, kernels and compiles: discarded
@@ -144,10 +187,13 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
         for row in rows:
             ms = samples[row]
             sps = [m["samples_per_s"] for m in ms]
-            compiled = ROWS[row][0].get("compile", base_cfg.compile)
+            compiled = row != "plain" and ROWS[row][0].get("compile", base_cfg.compile)
             results.append({
                 "dataset": name, "name": row, "batch_size": batch_size * ROWS[row][1],
-                "samples_per_s": statistics.median(sps),
+                "samples_per_s": statistics.median(sps), "about": data[6],
+                # What a whole epoch of the train stage's split takes at this rate.
+                "split_epoch_s": data[6]["train_images"] / statistics.median(sps)
+                if data[6] else None,
                 "epoch_s": statistics.median(m["train_s"] for m in ms),
                 "peak_mem_mb": None if None in (mem := [m["peak_mem_mb"] for m in ms])
                 else statistics.median(mem),
@@ -166,7 +212,7 @@ def bench(rows: list[str], names: list[str], rounds: int, steps: int, batch_size
         "precision_auto": resolve_precision("auto", device),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "settings": {"rounds": rounds, "steps": steps, "batch_size": batch_size,
-                     "synthetic_size": synthetic_size, "datasets": names,
+                     "synthetic_size": synthetic_size, "datasets": names, "reference": rows[0],
                      "model": f"{params.model.arch}, width per dataset {widths}"},
         "memory": "CUDA max_memory_allocated" if device.type == "cuda"
         else "peak RSS of the main process in the timed epoch above its level before the row "
@@ -182,19 +228,26 @@ def markdown(report: dict) -> str:
              f"{report['precision_auto']}. {s['steps']} steps of batch {s['batch_size']} per epoch, "
              f"median of {s['rounds']} interleaved rounds (min..max shown). Model: {s['model']}. "
              f"Memory: {report['memory']}.", ""]
+    ref = s.get("reference", "standard")
     for name in dict.fromkeys(r["dataset"] for r in report["rows"]):
-        lines += [f"**{name}**", "",
-                  "| variant | epoch time | peak memory | samples/s | vs standard "
+        rows = [r for r in report["rows"] if r["dataset"] == name]
+        about = rows[0].get("about")
+        lines += [f"**{name}**" + (f" ({about['source']}, {about['shape']})" if about else ""), "",
+                  f"| variant | epoch time | peak memory | samples/s | vs {ref} "
                   "| min..max samples/s | compile |",
                   "|---|---|---|---|---|---|---|"]
-        for r in (r for r in report["rows"] if r["dataset"] == name):
+        for r in rows:
             comp = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "-"
             mem = f"{r['peak_mem_mb']:.0f} MB" if r["peak_mem_mb"] is not None else "-"
             lines.append(f"| {r['name']} (batch {r['batch_size']}) | {r['epoch_s']:.2f} s | "
                          f"{mem} | {r['samples_per_s']:.0f} | "
                          f"{r['ratio']:.2f}x | {r['min_samples_per_s']:.0f}.."
                          f"{r['max_samples_per_s']:.0f} | {comp} |")
-        noisy = [r["name"] for r in report["rows"] if r["dataset"] == name and r["noisy"]]
+        if about:
+            lines += ["", f"At these rates one epoch of its {about['train_images']} train images "
+                      "takes " + ", ".join(f"{r['split_epoch_s']:.1f} s ({r['name']})"
+                                           for r in rows) + " (training only, no validation)."]
+        noisy = [r["name"] for r in rows if r["noisy"]]
         if noisy:
             lines += ["", f"Noisy: {', '.join(noisy)} varied by more than "
                       f"{NOISY_SPREAD:.0%} of the median between rounds, so something else was "
@@ -233,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="few steps and rounds, no compile row: under a minute on 2 CPU cores")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     ap.add_argument("--datasets", default="digits,cifar",
-                    help="digits, cifar (synthetic 32x32x3) and/or prepared (data/prepared)")
+                    help="digits, cifar (synthetic 32x32x3) and/or prepared (data/prepared: the "
+                    "train stage's split of the current params, e.g. Fashion-MNIST)")
     ap.add_argument("--rounds", type=positive_int, default=None, help="measured rounds (default 5, quick 1)")
     ap.add_argument("--steps", type=positive_int, default=None, help="steps per epoch (default 20, quick 6)")
     ap.add_argument("--batch-size", type=positive_int, default=32)
