@@ -48,10 +48,12 @@ lock: setup ## refresh requirements.lock from pyproject.toml (uv pip compile, wi
 
 # params.yaml checked first (bounded, in a second): DVC reads it whole before any stage runs,
 # and expands YAML aliases without a limit (a 1.9 KB "billion laughs" file: gigabytes, minutes).
-# Then one line when the model was made under another CPU or thread count than this machine's
-# (restored from DVC's run-cache, which cannot tell): 3 s of importing torch, once a model exists.
+# Then one line when dvc.lock names a model no one shared (DVC will train again, and says only
+# "Unable to pull"). After: one line when the model was made under another CPU or thread count
+# than this machine's (restored from DVC's run-cache, which cannot tell): 3 s of importing torch.
 repro: setup ## run the whole pipeline: prepare, train, evaluate, export
 	@$(PY) -m stages.params
+	@$(PY) -m stages.team.share --advise
 	dvc repro
 	@$(PY) -m stages.team.verify --here
 

@@ -25,10 +25,10 @@ from stages.config import (
     load_params,
 )
 from stages.data import load_meta, load_split, normalize
+from stages.inference import model_kwargs, png_base64, quiet_type_hints
 from stages.lib.cli import run_stage
 from stages.lib.errors import UserError
 from stages.lib.files import atomic_write, atomic_write_all, text_writer
-from stages.serving.registry import model_kwargs, png_base64, quiet_type_hints
 
 
 def export_program(model: torch.nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:

@@ -1,22 +1,42 @@
 """Inference, one path from an image file to class probabilities, for `python -m stages.predict`
-and the served model (stages/serving/classifier.py): model.json read and checked (read_spec),
-the ONNX graph run in onnxruntime (onnx_runner), decoded images made the model's input
-(model_input, as training normalized them), its logits made probabilities, and the warning for
-an image unlike the training ones (unlike_training). numpy only: no torch, MLflow or make
-target here, so the served model ships this, what it imports, and nothing else.
+and the served model: model.json read and checked (read_spec), the ONNX graph run in
+onnxruntime (onnx_runner), decoded images made the model's input (model_input, as training
+normalized them), its logits made probabilities, and the warning for an image unlike the
+training ones (unlike_training). numpy only: no torch, MLflow or make target here, so the served
+model ships this, what it imports, and nothing else.
+
+The served model (below): base64 image files in, one record per image out, over a model.onnx and
+its model.json (`Classifier`). `make serve` (reprotrain/serving/app.py) serves it under uvicorn;
+the model MLflow serves in a container (stages/served_model.py) wraps the same class; export
+logs it (`model_kwargs`), with two test images as its example (`png_base64`).
+
+    {"inputs": ["<base64 of a PNG, JPEG, ...>", ...]}
+    -> {"predictions": [{"label": "7", "probability": 0.998, "probabilities": {"0": ..., ...}}]}
+
+A record gets a "warning" too when its image is unlike the training images (the check and the
+words of `stages.predict`'s warning).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
+import logging
 import math
 import reprlib
+import shutil
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from stages.lib.images import DataError
+from stages.lib.images import ACCEPTED, DataError, decode_image, has_colour, open_image
 
 MAX_SPEC_BYTES = 64 << 20
 
@@ -149,7 +169,7 @@ def unlike_training(image: np.ndarray, x: np.ndarray, spec: dict, colour: bool =
 def model_input(images: list[np.ndarray], spec: dict) -> np.ndarray:
     """The float32 NCHW batch the model takes, from decode_image's uint8 images: pixels scaled
     to [0, 1], then (x - mean) / std per channel, as training normalized them. The served model
-    (stages/serving/classifier.py) calls this too: one path from image to input."""
+    (Classifier, below) calls this too: one path from image to input."""
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(1, -1, 1, 1)
     return (np.stack(images).astype(np.float32) / 255 - mean) / std
@@ -171,3 +191,163 @@ def softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=1, keepdims=True)
+
+
+# Bounds on one request: its images, each image's pixels and all its images' pixels (read from
+# the headers, before any image is decoded: Pillow's own bomb limit only warns up to 179
+# megapixels, and 64 small PNGs of 4096x4096 zeros cost 13 s to decode), a batch's run time.
+# `make serve` also bounds the request's bytes (MAX_BODY_BYTES in reprotrain/serving/app.py).
+MAX_IMAGES = 1024
+MAX_PIXELS = 4096 * 4096
+MAX_REQUEST_PIXELS = 2 * MAX_PIXELS
+TIMEOUT_S = 30
+FIX = f"send a list of base64-encoded image files ({ACCEPTED}) as {{\"inputs\": [...]}}"
+HERE = "stages/inference.py"
+
+
+class BadInput(ValueError):
+    """A request refused in one line that names the image and the problem: a 400."""
+
+    def __init__(self, line: str):
+        super().__init__(" ".join(line.split()))  # one line, whatever a decoder's message held
+
+
+def image_bytes(item: Any, i: int) -> bytes:
+    """An image file's bytes: given as such (in Python), or base64 text (over HTTP; line breaks,
+    as MLflow and `base64` write them, allowed)."""
+    if isinstance(item, bytes):
+        return item
+    if not isinstance(item, str):
+        raise BadInput(f"image {i}: a JSON {type(item).__name__}, not a string; {FIX}")
+    try:
+        return base64.b64decode("".join(item.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadInput(f"image {i}: not base64 text ({item[:20]!r}...); {FIX}") from None
+
+
+def pixels(data: bytes, i: int) -> int:
+    """An image's pixels, from its header: nothing is decoded."""
+    if not data:
+        raise BadInput(f"image {i}: not a readable image (empty: 0 bytes); {FIX}")
+    try:
+        with open_image(data) as img:
+            width, height = img.size
+    except DataError as e:  # a fixed message: never a decoder's words
+        raise BadInput(f"image {i}: not a readable image ({e})") from None
+    if width * height > MAX_PIXELS:
+        raise BadInput(f"image {i}: {width}x{height} pixels, over the {MAX_PIXELS:,} a served "
+                       f"image may have (MAX_PIXELS in {HERE}); resize it first")
+    return width * height
+
+
+class Classifier:
+    """A model.onnx and its model.json, checked as predict checks them (a bad file is one line
+    at start, not a dead server), then called with a request's images."""
+
+    def __init__(self, spec_path: Path, onnx_path: Path):
+        self.spec_path, self.onnx_path = spec_path, onnx_path
+        self.spec = read_spec(spec_path)
+        self.run = onnx_runner(onnx_path, self.spec, TIMEOUT_S)
+
+    def __call__(self, model_input: list[str | bytes]) -> list[dict[str, Any]]:
+        """One record per image: `label`, its `probability`, and `probabilities` by class name."""
+        if not isinstance(model_input, list):
+            raise BadInput(f"inputs is a {type(model_input).__name__}, not a list; {FIX}")
+        if not model_input:
+            raise BadInput(f"no images: inputs is an empty list; {FIX}")
+        if len(model_input) > MAX_IMAGES:
+            raise BadInput(f"{len(model_input)} images in one request, over {MAX_IMAGES} "
+                           f"(MAX_IMAGES in {HERE}); send them in smaller batches")
+        channels, size, _ = self.spec["input_shape"]
+        files = [image_bytes(item, i) for i, item in enumerate(model_input)]
+        total = 0
+        for i, data in enumerate(files):  # every header first: a refusal decodes nothing
+            total += pixels(data, i)
+            if total > MAX_REQUEST_PIXELS:
+                raise BadInput(f"images 0 to {i}: {total:,} pixels together, over the "
+                               f"{MAX_REQUEST_PIXELS:,} one request may have (MAX_REQUEST_PIXELS "
+                               f"in {HERE}); send fewer or smaller images")
+        images = []
+        for i, data in enumerate(files):
+            try:
+                images.append(decode_image(data, channels, size, self.spec["resize"]))
+            except DataError as e:  # a fixed message: never a decoder's words
+                raise BadInput(f"image {i}: not a readable image ({e})") from None
+            except Exception:  # noqa: BLE001 - whatever else fails on a crafted file
+                raise BadInput(f"image {i}: not a readable image (it does not decode); "
+                               f"{FIX}") from None
+        x = model_input(images, self.spec)
+        probs = probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
+                                     self.spec_path)
+        classes = self.spec["classes"]
+        out = []
+        for p, image, xi, data in zip(probs, images, x, files, strict=True):
+            warning = unlike_training(image, xi, self.spec,
+                                                channels == 1 and has_colour(data))
+            out.append({"label": classes[p.argmax()], "probability": float(p.max()),
+                        "probabilities": dict(zip(classes, map(float, p), strict=True))}
+                       | ({"warning": warning} if warning else {}))
+        return out
+
+
+# How export logs the served model, and `make serve` saves it afresh.
+SERVED_MODEL = Path(__file__).with_name("served_model.py")
+FILES = ("model.onnx", "model.json")
+# What the served model imports, at the versions of this environment (requirements.lock): the
+# model's requirements.txt, which a container built from it installs.
+REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
+# The modules of stages/ it imports, transitively, and the two that config reads as text (the
+# registries of models and sources): tests/test_serving.py checks the list against the import graph
+# and loads a saved model away from the checkout.
+PACKAGE = ("__init__.py", "config.py", "inference.py", "models.py", "sources.py", "lib/__init__.py",
+           "lib/errors.py", "lib/images.py", "lib/paths.py", "lib/strict_yaml.py")
+STAGES = SERVED_MODEL.parent
+
+
+def png_base64(images) -> list[str]:
+    """uint8 (N, C, H, W) images as base64 PNG files: the model's input example."""
+    from PIL import Image
+
+    out = []
+    for img in images:
+        buf = io.BytesIO()
+        arr = img.transpose(1, 2, 0)
+        Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(buf, format="PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def model_kwargs(folder: Path, example: list[str] | None = None,
+                 package: Path | None = None) -> dict:
+    """Arguments of mlflow.pyfunc.log_model/save_model for the served model over `folder`'s
+    model.onnx and model.json; with `package` (a copy of what it imports from stages/) inside."""
+    return {"python_model": str(SERVED_MODEL),
+            "artifacts": {name: str(folder / name) for name in FILES},
+            "input_example": example,
+            "pip_requirements": [f"{p}=={version(p)}" for p in REQUIREMENTS],
+            "code_paths": [str(package)] if package else None}
+
+
+def package_copy(dest: Path) -> Path:
+    """The modules of stages/ that the served model imports, as a package in `dest`."""
+    package = dest / "stages"
+    package.mkdir(parents=True)
+    for name in PACKAGE:
+        (package / name).parent.mkdir(exist_ok=True)
+        shutil.copy2(STAGES / name, package / name)
+    # Not the checkout's: its hand-off to a warm process has no place in a served model.
+    (package / "__init__.py").write_text('"""reprotrain\'s inference, as the served model runs it."""\n')
+    return package
+
+
+@contextmanager
+def quiet_type_hints() -> Iterator[None]:
+    """MLflow logs that it cannot check the elements of a `str | bytes` list: served_model.py
+    checks each image itself."""
+    logger = logging.getLogger("mlflow.types.type_hints")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages import distributed, tracking, weights
+from stages import distributed, hooks, tracking, weights
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,
@@ -34,8 +34,6 @@ from stages.loop import Job, RunIO, TrainResult, train
 from stages.metrics import HISTORY
 from stages.models import build_model, count_params
 from stages.runtime import made_on, resolve_device
-from stages.sweep import trial
-from stages.team import share
 
 # What decides the trained weights; the checkpoint folder is keyed by it, so a changed
 # hyperparameter starts afresh and an unchanged one resumes.
@@ -46,10 +44,6 @@ def main() -> None:
     params = load_params()
     resolve_device(params.train.device)  # an unusable device fails now, not after the data loads
     check_checkpoint_root(repo_root() / params.train.checkpoint_dir, repo_root(), params.data.root)
-    if not distributed.under_torchrun():  # said once, by the process DVC started
-        note = share.unrestored("train")
-        if note:
-            print(note, flush=True)
     nproc = distributed.requested_processes(params.train, params.batch_size)
     if nproc > 1 and not distributed.under_torchrun():
         distributed.relaunch_under_torchrun(nproc, "stages.train")  # does not return
@@ -80,16 +74,16 @@ def train_stage(params: Params, rank: int, world: int) -> None:
         else:
             run.resume()
         # Under a sweep (`make sweep`) each epoch is also reported to its Optuna trial, whose
-        # pruner may stop the run: it exits trial.PRUNED_EXIT and DVC records nothing of it.
-        log = trial.reporting(watch.wrap(run.log), rank, world)
+        # pruner may stop the run: it exits with its own code and DVC records nothing of it.
+        log = hooks.reporting(watch.wrap(run.log), rank, world)
         try:
             job = Job(train=train_split, val=val_split, mean=meta["mean"], std=meta["std"],
                       cfg=params.train, lr=params.lr, epochs=params.epochs,
                       batch_size=params.batch_size, seed=params.seed, rank=rank, world=world)
             result = train(model, job, RunIO(log=log, ckpt_dir=ckpt_dir, resume=resume,
                                              extra_state={"run_id": run.run_id}))
-        except trial.Pruned as stop:
-            run.set_tags({"pruned": "true", "pruned_at_epoch": stop.epoch})
+        except hooks.Stopped as stop:
+            run.set_tags(stop.tags)
             raise
         if rank != 0:
             return

@@ -22,9 +22,11 @@ from tests.conftest import ROOT, copy_repo, env_with, run
 TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
 # Modules that change no output either: stages/__init__.py (the finder that names a moved
 # module's new place, and the hand-off to the warm process), stages/lib/cli.py (exit codes,
-# one-line errors, argparse helpers), stages/lib/errors.py (the error class they print) and
-# stages/lib/warm.py (which process runs a stage; tests/test_warm.py proves the same bytes).
-NO_OUTPUT_EFFECT = {"stages", "stages.lib.cli", "stages.lib.errors", "stages.lib.warm"}
+# one-line errors, argparse helpers), stages/lib/errors.py (the error class they print),
+# stages/hooks.py (a sweep's reporting hook, which can only stop a run) and stages/lib/warm.py
+# (which process runs a stage; tests/test_warm.py proves the same bytes).
+NO_OUTPUT_EFFECT = {"stages", "stages.hooks", "stages.lib.cli", "stages.lib.errors",
+                    "stages.lib.warm"}
 
 
 def team(module: str) -> bool:

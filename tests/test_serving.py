@@ -39,7 +39,7 @@ from PIL import Image
 
 from stages.data import save_prepared
 from stages.lib.processes import answers
-from stages.serving.registry import PACKAGE
+from stages.inference import PACKAGE
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
 from tests.support.image_files import EPS, fake_ghostscript, many_scan_jpeg
 from tests.support.services import (
@@ -198,7 +198,7 @@ def test_export_logs_the_served_model_as_code_with_an_example(logged_in, tmp_pat
     mlmodel = mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion/MLmodel",
                                                   dst_path=str(tmp_path))
     pyfunc = OmegaConf.load(mlmodel).flavors.python_function
-    assert pyfunc.model_code_path.endswith("stages/serving/served_model.py")
+    assert pyfunc.model_code_path.endswith("stages/served_model.py")
     assert "python_model" not in pyfunc  # no cloudpickle of the model object
     assert set(pyfunc.artifacts) == {"model.onnx", "model.json"}
     example = json.loads(Path(mlflow.artifacts.download_artifacts(

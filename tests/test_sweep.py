@@ -90,12 +90,16 @@ def test_the_shipped_sweep_file_is_valid():
 
 
 def test_outside_a_sweep_training_logs_as_before(monkeypatch):
-    """No study in the environment: the loop's `log` itself, optuna never imported."""
-    from stages.loop import no_log
-    from stages.sweep import trial
+    """No hook in the environment: the loop's `log` itself; train imports no sweep, no optuna."""
+    from stages import hooks
 
-    monkeypatch.delenv(trial.STUDY_ENV, raising=False)
-    assert trial.reporting(no_log, rank=0, world=1) is no_log
+    monkeypatch.delenv(hooks.REPORT_HOOK_ENV, raising=False)
+    code = ("import sys; from stages import hooks, train; from stages.loop import no_log; "
+            "assert hooks.reporting(no_log, rank=0, world=1) is no_log; "
+            "print(sorted(m for m in sys.modules if 'sweep' in m or m.startswith('optuna')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.strip() == "[]", p.stderr
 
 
 def test_parallel_workers_on_sqlite_are_refused_in_one_line(tmp_path):

@@ -1,2 +1,3 @@
-"""The champion model over HTTP (`make serve`, app.py): what it answers (classifier.py), how it is
-logged and taken from the registry (registry.py), and the model MLflow serves (served_model.py)."""
+"""The champion model over HTTP (`make serve`, app.py) and how it is taken from the registry
+(registry.py). What it answers, and the model MLflow serves, are the experiment's:
+stages/inference.py (Classifier) and stages/served_model.py."""

@@ -27,16 +27,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stages.inference import FIX, BadInput, Classifier
 from stages.lib.cli import ArgumentParser, positive_int, run_stage
 from stages.lib.errors import UserError
-from stages.serving.classifier import FIX, BadInput, Classifier
 from stages.serving.registry import champion_files, example_image, registered_name, save_served
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data/samples/7.png"
 DIGITS = [str(d) for d in range(10)]  # the classes SAMPLE is one of
 # The largest request body read: a larger one gets a 413 before the rest is read (MLflow's
 # server reads any body whole: 200 MB cost 7 s before its 400). 1024 digits take 0.5 MB;
-# photos are resized before they are sent (MAX_PIXELS in stages/serving/classifier.py).
+# photos are resized before they are sent (MAX_PIXELS in stages/inference.py).
 MAX_BODY_BYTES = 8 * 2**20
 SHAPE = '{"inputs": [<base64 image file>, ...]}'
 ROUTES = {"/invocations": "POST", "/ping": "GET", "/health": "GET", "/version": "GET"}

@@ -6,78 +6,24 @@ runs the Python file stored with it (models-from-code) or unpickles it (older mo
 team's registry takes versions from anyone who can log one. So only the two data files are taken
 from the champion, model.json (checked by stages.inference.read_spec) and model.onnx (a graph of
 standard operators, run by onnxruntime); the model folder served is saved afresh around them
-from stages/serving/served_model.py of this checkout, with the modules it imports.
+from stages/served_model.py of this checkout, with the modules it imports.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import json
-import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from importlib.metadata import version
 from pathlib import Path
 
 from stages.config import load_params
+from stages.inference import FILES, model_kwargs, package_copy, quiet_type_hints
 from stages.lib.errors import UserError
 
 # Downloads of two small files need no progress bars in the output.
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
-SERVED_MODEL = Path(__file__).with_name("served_model.py")
-FILES = ("model.onnx", "model.json")
-# What the served model imports, at the versions of this environment (requirements.lock): the
-# model's requirements.txt, which a container built from it installs.
-REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
-# The modules of stages/ it imports, transitively, and the two that config reads as text (the
-# registries of models and sources): tests/test_serving.py checks the list against the import graph
-# and loads a saved model away from the checkout.
-PACKAGE = ("__init__.py", "config.py", "inference.py", "models.py", "sources.py", "lib/__init__.py",
-           "lib/errors.py", "lib/images.py", "lib/paths.py", "lib/strict_yaml.py",
-           "serving/__init__.py", "serving/classifier.py")
-STAGES = SERVED_MODEL.parents[1]
-
-
-def png_base64(images) -> list[str]:
-    """uint8 (N, C, H, W) images as base64 PNG files: the model's input example."""
-    from PIL import Image
-
-    out = []
-    for img in images:
-        buf = io.BytesIO()
-        arr = img.transpose(1, 2, 0)
-        Image.fromarray(arr[:, :, 0] if arr.shape[2] == 1 else arr).save(buf, format="PNG")
-        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
-    return out
-
-
-def model_kwargs(folder: Path, example: list[str] | None = None,
-                 package: Path | None = None) -> dict:
-    """Arguments of mlflow.pyfunc.log_model/save_model for the served model over `folder`'s
-    model.onnx and model.json; with `package` (a copy of what it imports from stages/) inside."""
-    return {"python_model": str(SERVED_MODEL),
-            "artifacts": {name: str(folder / name) for name in FILES},
-            "input_example": example,
-            "pip_requirements": [f"{p}=={version(p)}" for p in REQUIREMENTS],
-            "code_paths": [str(package)] if package else None}
-
-
-def package_copy(dest: Path) -> Path:
-    """The modules of stages/ that the served model imports, as a package in `dest`."""
-    package = dest / "stages"
-    package.mkdir(parents=True)
-    for name in PACKAGE:
-        (package / name).parent.mkdir(exist_ok=True)
-        shutil.copy2(STAGES / name, package / name)
-    # Not the checkout's: its hand-off to a warm process has no place in a served model.
-    (package / "__init__.py").write_text('"""reprotrain\'s inference, as the served model runs it."""\n')
-    return package
-
 
 def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path, str]:
     """The version number `alias` points at, its model.onnx and model.json downloaded to
@@ -166,19 +112,6 @@ def save_served(folder: Path, dest: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp, quiet_type_hints():
         mlflow.pyfunc.save_model(str(dest), **model_kwargs(folder, package=package_copy(Path(tmp))))
     return dest
-
-
-@contextmanager
-def quiet_type_hints() -> Iterator[None]:
-    """MLflow logs that it cannot check the elements of a `str | bytes` list: served_model.py
-    checks each image itself."""
-    logger = logging.getLogger("mlflow.types.type_hints")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def champion_model(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path]:

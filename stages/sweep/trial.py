@@ -1,17 +1,20 @@
 """A training run that is one trial of an Optuna study (`make sweep`, stages/sweep/): after each
 epoch it reports its validation figure to the trial, and stops when the study's pruner says so.
 
-Outside a sweep (no REPROTRAIN_SWEEP_STUDY in the environment) `reporting` returns the loop's
-`log` unchanged and optuna is never imported. A pruned run raises `Pruned`, a SystemExit with
-its own code: its stop depended on other trials, so its outputs are not a function of its
-inputs, and DVC records nothing of a failed stage (no dvc.lock entry, no run-cache entry, no
-experiment). The MLflow run ends KILLED, tagged `pruned` by the train stage.
+The sweep's worker installs `reporting` as the train stage's hook (stages/hooks.py) through the
+environment, with the study and trial; train imports nothing of the sweep, and outside a sweep
+optuna is never imported. A pruned run raises `Pruned`, a SystemExit with its own code: its stop
+depended on other trials, so its outputs are not a function of its inputs, and DVC records
+nothing of a failed stage (no dvc.lock entry, no run-cache entry, no experiment). The MLflow
+run ends KILLED, tagged `pruned` by the train stage.
 """
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Any
+
+from stages.hooks import REPORT_HOOK_ENV, Stopped
 
 if TYPE_CHECKING:  # the sweep's processes import no torch
     from stages.loop import Log
@@ -26,10 +29,16 @@ PRUNERS = {"median": "MedianPruner", "successive_halving": "SuccessiveHalvingPru
            "none": "NopPruner"}
 
 
-class Pruned(SystemExit):
+class Pruned(Stopped):
     def __init__(self, epoch: int):
-        super().__init__(PRUNED_EXIT)
+        super().__init__(PRUNED_EXIT, {"pruned": "true", "pruned_at_epoch": epoch})
         self.epoch = epoch
+
+
+def hook_env(study: str, trial: int) -> dict[str, str]:
+    """What the trial's `dvc exp run` needs in its environment: `reporting` as train's hook,
+    and the trial it reports to."""
+    return {REPORT_HOOK_ENV: f"{__name__}:reporting", STUDY_ENV: study, TRIAL_ENV: str(trial)}
 
 
 def build_pruner(spec: dict[str, Any]):
@@ -59,8 +68,6 @@ def open_trial():
 def reporting(log: Log, rank: int, world: int) -> Log:
     """`log`, and under a sweep: each epoch's figure to the trial, then the pruner's verdict.
     Rank 0 alone talks to the study; every rank stops at the same epoch."""
-    if not os.environ.get(STUDY_ENV):
-        return log
     trial, figure = open_trial() if rank == 0 else (None, "")
 
     def reported(metrics: dict[str, float], step: int, durable: bool = False) -> None:

@@ -21,7 +21,7 @@ from stages.checkpoints import remove_run
 from stages.config import load_params
 from stages.sweep.spec import SweepError, is_finite, warnings_quiet
 from stages.sweep.study import reach_storage, sampler_for, shown, storage_uri, suggest
-from stages.sweep.trial import STUDY_ENV, TRIAL_ENV
+from stages.sweep.trial import hook_env
 
 
 def worker(study_name: str, workdir: Path, keep: bool = False) -> None:
@@ -106,7 +106,7 @@ def run_trial(study, storage, trial, clone: Path, spec: dict, about: dict, dvc_r
     reset(clone, about["commit"])
     sets = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"
             for k, v in {**spec["params"], **values}.items()]
-    env = {**os.environ, STUDY_ENV: study.study_name, TRIAL_ENV: str(trial.number),
+    env = {**os.environ, **hook_env(study.study_name, trial.number),
            tracking.PARENT_RUN_ENV: about.get("mlflow_parent_run") or ""}
     t0 = time.perf_counter()
     out = exp_run(f"trial {trial.number}", name, sets, spec["objective"]["stage"], clone, env,

@@ -263,11 +263,11 @@ def push(repo, problems: list[logging.LogRecord]) -> str:
 
 
 def unrestored(stage: str) -> str | None:
-    """Why DVC runs `stage` although dvc.lock names its outputs for these very params and code:
-    this machine has no copy of them and DVC found none on a remote (`dvc exp run --pull` said
-    "Unable to pull data"; DVC then reruns and never looks at the run-cache, which may hold this
-    machine's own run). One line before minutes of work, or None when the lock is another run's
-    or its outputs are cached here."""
+    """Why `dvc repro` will run `stage` although dvc.lock names its outputs for these very
+    params and code: this machine has no copy of them and DVC found none on a remote (DVC then
+    reruns and never looks at the run-cache, which may hold this machine's own run). `make
+    repro`'s first line, before minutes of work; None when the lock is another run's or its
+    outputs are cached here."""
     try:
         return _unrestored(stage)
     except Exception:  # noqa: BLE001 - advice only: a lock it cannot read never stops a stage
@@ -282,16 +282,16 @@ def _unrestored(stage: str) -> str | None:
     stages = OmegaConf.to_container(OmegaConf.load("dvc.lock"))["stages"]
     lock = stages[stage]
     params = OmegaConf.to_container(OmegaConf.load("params.yaml"))
-    if any(params.get(k) != v for k, v in lock.get("params", {}).get("params.yaml", {}).items()):
-        return None  # other params: the lock names another run's outputs
-    # What the stages before this one just wrote (DVC locked them before starting this one).
-    made = {o["path"]: o.get("md5") for s in stages.values() for o in s.get("outs", [])}
-    for dep in lock.get("deps", []):
-        path = Path(dep["path"])
-        if path.is_file() and file_hash(path, "md5") != dep.get("md5"):
-            return None  # other code: the same
-        if dep["path"] in made and made[dep["path"]] != dep.get("md5"):
-            return None  # other data (prepare's, a folder of shards or tensors): the same
+    # The stage and those whose outputs it reads (prepare's data): other params or code there
+    # is another run, which nobody expects to be restored.
+    inputs = {dep["path"] for dep in lock.get("deps", [])}
+    for each in [lock, *(s for s in stages.values()
+                         if any(o["path"] in inputs for o in s.get("outs", [])))]:
+        if any(params.get(k) != v for k, v in each.get("params", {}).get("params.yaml", {}).items()):
+            return None
+        if any(Path(dep["path"]).is_file() and file_hash(Path(dep["path"]), "md5") != dep.get("md5")
+               for dep in each.get("deps", [])):
+            return None
     from dvc.repo import Repo
 
     with Repo() as repo:
@@ -303,9 +303,16 @@ def _unrestored(stage: str) -> str | None:
     return (f"{stage}: no copy of what dvc.lock names for these params and code ({named}) is "
             "here or on a DVC remote this machine pulled from: dvc.lock was committed on another "
             "machine that did not `make share` it (or on another CPU, whose results differ in "
-            f"their last bits); running {stage} again. To restore instead: `make share` where "
+            f"their last bits); dvc repro runs {stage} again. To restore instead: `make share` where "
             "dvc.lock was made, or commit this machine's dvc.lock after its `make share`")
 
 
+def advise() -> None:
+    """`python -m stages.team.share --advise`, as `make repro` starts: the advice above."""
+    note = unrestored("train")
+    if note:
+        print(note, flush=True)
+
+
 if __name__ == "__main__":
-    run_stage(main)
+    run_stage(advise if sys.argv[1:] == ["--advise"] else main)

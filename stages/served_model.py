@@ -1,9 +1,9 @@
 """The served model as MLflow serves it (`mlflow models serve`, the container `make serve
 --dockerfile` builds), logged as code (MLflow models-from-code) over the artifacts model.onnx
-and model.json: the classifier of stages/serving/classifier.py, its refusals as MLflow's 400s.
+and model.json: the classifier of stages/inference.py, its refusals as MLflow's 400s.
 
-MLflow runs this file to load the model. `make serve` (stages/serving/app.py) never loads it: it
-serves the classifier itself, and takes only model.onnx and model.json from the registry.
+MLflow runs this file to load the model. `make serve` (reprotrain/serving/app.py) never loads it:
+it serves the classifier itself, and takes only model.onnx and model.json from the registry.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
-from stages.serving.classifier import BadInput, Classifier
+from stages.inference import BadInput, Classifier
 
 
 class Refused(MlflowException):
