@@ -31,9 +31,9 @@ $(STAMP): requirements.lock
 	@echo "installing requirements.lock into $(VENV): 6.5 GB, 6 to 10 minutes the first time, more" \
 		"on a busy machine (torch's CUDA libraries; docs/install.md)"
 	@# A numbered line per package as pip takes it, a line for each 30 s pip stays silent, a
-	@# count at the end (stages/lib/pip_progress.py: standard library, runs before anything is installed).
+	@# count at the end (reprotrain/pip_progress.py: standard library, runs before anything is installed).
 	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
-		| $(PY) -m stages.lib.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
+		| $(PY) -m reprotrain.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
@@ -53,22 +53,22 @@ lock: setup ## refresh requirements.lock from pyproject.toml (uv pip compile, wi
 # than this machine's (restored from DVC's run-cache, which cannot tell): 3 s of importing torch.
 repro: setup ## run the whole pipeline: prepare, train, evaluate, export
 	@$(PY) -m stages.params
-	@$(PY) -m stages.team.share --advise
+	@$(PY) -m reprotrain.team.share --advise
 	dvc repro
-	@$(PY) -m stages.team.verify --here
+	@$(PY) -m reprotrain.team.verify --here
 
 # Every output's hash is in dvc.lock; a forced rerun of every stage must give the same bytes.
 verify: setup ## rerun every stage from scratch; fail unless each output is byte-identical to dvc.lock
 	@$(PY) -m stages.params
 	@mkdir -p .dvc/tmp && cp dvc.lock .dvc/tmp/dvc.lock.before-verify
 	dvc repro -f
-	@$(PY) -m stages.team.verify .dvc/tmp/dvc.lock.before-verify
+	@$(PY) -m reprotrain.team.verify .dvc/tmp/dvc.lock.before-verify
 
 # Silent (`@`), as every target that takes or reads a URL or DSN: make's echo of a recipe line
 # would show what it holds (CI logs keep it); the values reach such recipes through the
 # environment, so that even `make -n` shows only the variables' names.
 share: setup ## push outputs and run-cache to the DVC remote, so another machine restores, not reruns
-	@$(PY) -m stages.team.share
+	@$(PY) -m reprotrain.team.share
 
 # An Optuna study of DVC experiments (docs/sweeps.md). STORAGE is the study's database, its
 # default $REPROTRAIN_SWEEP_STORAGE; it and REMOTE (a git URL may hold a token) go through the
@@ -80,41 +80,42 @@ REMOTE ?= origin
 sweep: export REPROTRAIN_SWEEP_STORAGE := $(or $(STORAGE),$(REPROTRAIN_SWEEP_STORAGE))
 sweep: export REPROTRAIN_SWEEP_REMOTE := $(REMOTE)
 sweep: setup ## an Optuna study of DVC experiments: SWEEP=sweeps/lr.yaml TRIALS= WORKERS= LAUNCHER=local|slurm STORAGE= REMOTE=
-	@$(PY) -m stages.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) \
+	@$(PY) -m reprotrain.sweep run $(SWEEP) --workers $(WORKERS) --launcher $(LAUNCHER) \
 		--remote "$$REPROTRAIN_SWEEP_REMOTE" $(if $(TRIALS),--trials $(TRIALS)) $(if $(STUDY),--study $(STUDY))
 # The runs a stage spooled while the tracking server was down (.mlflow-spool/), or with
 # FROM=sqlite:///path/mlflow.db a machine's own runs, onto MLFLOW_TRACKING_URI; exactly once.
 FROM ?=
 sync: export REPROTRAIN_SYNC_FROM := $(FROM)
 sync: setup ## send spooled runs to the MLflow server (FROM=sqlite:///.../mlflow.db: move local runs up)
-	@$(PY) -m stages.tracking.sync $(if $(FROM),--from "$$REPROTRAIN_SYNC_FROM")
+	@$(PY) -m reprotrain.tracking.sync $(if $(FROM),--from "$$REPROTRAIN_SYNC_FROM")
 
-# Two workers: a pipeline run is mostly single-threaded start-up, so two share 2 cores well.
-# A third costs more than the waits it fills: on the 2-core VM the suite's CPU time went from
-# 44 to 57 minutes and its wall time from 26 to 32 (docs/performance.md, "Tests").
+# A worker per core (`nproc`, which counts the cores this process may use: a container's or a
+# SLURM job's share): a pipeline run is mostly single-threaded start-up. More than the cores
+# costs more than the waits it fills: on the 2-core VM a third worker took the suite's CPU time
+# from 44 to 57 minutes and its wall time from 26 to 32 (docs/performance.md, "Tests").
 # loadscope keeps each module on one worker: its module-scoped trained repo is made once;
 # the longest modules go first (tests/conftest.py).
 # --durations: the slowest tests, to see where the suite's minutes go.
-TEST_WORKERS ?= 2
-# The warm processes the suite's pipelines started (stages/lib/warm.py) end with it, not 5
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+# The warm processes the suite's pipelines started (reprotrain/warm.py) end with it, not 5
 # idle minutes later: the test session stops them itself (tests/conftest.py), and only them.
-test: setup ## run the test suite (TEST_WORKERS=... processes, 2 by default)
+test: setup ## run the test suite (TEST_WORKERS=... processes, one per core by default)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=20
 
 UI_PORT ?= 5000
 ui: setup ## MLflow UI for every run, on http://127.0.0.1:5000 (UI_PORT=... to change)
-	@$(PY) -m stages.team.ui --port $(UI_PORT)
+	@$(PY) -m reprotrain.team.ui --port $(UI_PORT)
 
 # A real S3 server on loopback (SeaweedFS) to try a DVC remote and MLflow's artifacts on object
 # storage: it prints its keys and the commands that use them.
 S3_PORT ?= 9000
 s3: setup ## a local S3 server on http://127.0.0.1:9000 (S3_PORT=... to change), data in .s3/
-	@$(PY) -m stages.team.s3 --port $(S3_PORT)
+	@$(PY) -m reprotrain.team.s3 --port $(S3_PORT)
 
 # Target-specific: `make server` has a PORT of its own.
 serve: PORT ?= 5001
 serve: setup ## the registry's champion over HTTP on http://127.0.0.1:5001 (PORT=... to change): /ping, /invocations
-	@$(PY) -m stages.serving.app --port $(PORT)
+	@$(PY) -m reprotrain.serving.app --port $(PORT)
 # The team's server (docs/server.md). The admin's login and the Flask secret
 # key come from the environment (MLFLOW_TRACKING_USERNAME/PASSWORD, MLFLOW_FLASK_SERVER_SECRET_KEY),
 # never from the command line, where `ps` would show them.
@@ -125,7 +126,7 @@ ALLOWED_HOSTS ?=
 server: export REPROTRAIN_SERVER_ARGS_DB := $(DB)
 server: export REPROTRAIN_SERVER_ARGS_ARTIFACTS := $(ARTIFACTS)
 server: setup ## the team's MLflow server with logins: DB=postgresql://... ARTIFACTS=dir|s3://... PORT=5000
-	@$(PY) -m stages.team.server --db "$$REPROTRAIN_SERVER_ARGS_DB" \
+	@$(PY) -m reprotrain.team.server --db "$$REPROTRAIN_SERVER_ARGS_DB" \
 		--artifacts "$$REPROTRAIN_SERVER_ARGS_ARTIFACTS" --port '$(PORT)' --host '$(HOST)' \
 		--allowed-hosts '$(ALLOWED_HOSTS)'
 
@@ -159,26 +160,26 @@ lint: setup ## ruff
 	ruff check stages tests
 
 bench: setup ## the loop ablation benchmark, side by side
-	$(PY) -m stages.bench.training
+	$(PY) -m reprotrain.bench.training
 
 BENCH_REVS ?= HEAD
 bench-pipeline: setup ## the stages part by part, cold and warm, embedded store and server; BENCH_REVS=a,b side by side
-	$(PY) -m stages.bench.training --pipeline --server --revs $(BENCH_REVS)
+	$(PY) -m reprotrain.bench.training --pipeline --server --revs $(BENCH_REVS)
 
 bench-serve: setup ## `make serve` first start and restart vs `mlflow models serve` vs in-process predict, side by side
-	$(PY) -m stages.bench.serving
+	$(PY) -m reprotrain.bench.serving
 
 bench-server: setup ## `make server` until ready, first start and restart; BENCH_REVS=a,b side by side
-	$(PY) -m stages.bench.server --revs $(BENCH_REVS)
+	$(PY) -m reprotrain.bench.server --revs $(BENCH_REVS)
 
 bench-sync: setup ## `make sync` with no spool, of one run and again, against the team server; BENCH_REVS=a,b
-	$(PY) -m stages.bench.sync --revs $(BENCH_REVS)
+	$(PY) -m reprotrain.bench.sync --revs $(BENCH_REVS)
 
 bench-storage: setup ## DVC on a folder remote vs S3 on loopback: the pipeline's outputs and a 1 GiB dataset
-	$(PY) -m stages.bench.storage
+	$(PY) -m reprotrain.bench.storage
 
 bench-data: setup ## shards at 10k to 1M JPEGs: generate, prepare, push/pull, stream vs ImageFolder vs tensors; SIZES=10000,100000
-	$(PY) -m stages.bench.data $(if $(SIZES),--sizes $(SIZES))
+	$(PY) -m reprotrain.bench.data $(if $(SIZES),--sizes $(SIZES))
 
 # The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the GPU bench rows, in
 # one run for a lent GPU machine: within 8 minutes (each step has its own limit, `timeout` the
@@ -190,7 +191,7 @@ gpu-check: $(if $(filter command line,$(origin PY)),,setup) ## on a GPU machine:
 	@# No NVIDIA device node: one line now, not after torch's import.
 	@[ "$$GPU_CHECK_DRY" = 1 ] || ls /dev/nvidia[0-9]* > /dev/null 2>&1 || { echo "gpu-check: no NVIDIA \
 	GPU on this machine (no /dev/nvidia0); GPU_CHECK_DRY=1 runs its steps on the CPU" >&2; exit 1; }
-	@GPU_CHECK_OUT=$(GPU_CHECK_OUT) timeout -k 10 480 $(PY) -m stages.bench.gpu_check
+	@GPU_CHECK_OUT=$(GPU_CHECK_OUT) timeout -k 10 480 $(PY) -m reprotrain.bench.gpu_check
 
 # Its tool gets a venv of its own: installed into .venv, it would break the lock's promise.
 PLOTS_VENV := .dvc/tmp/plots-venv

@@ -1,20 +1,9 @@
-"""reprotrain. At the top: the five DVC stages (params, prepare, train, evaluate, export),
-`python -m stages.predict` with the inference it shares with serving, and the experiment they
-run, what a fork changes (config, models, sources, data, batches, loop, optim, metrics,
-checkpoints, weights, runtime, report, distributed). The team's tools live in packages:
-tracking, sweep, serving, team, bench, and lib for plumbing that knows no params schema.
+"""The experiment: the five DVC stages (params, prepare, train, evaluate, export) and
+`python -m stages.predict`, and what they run. The platform they use (tracking, sweeps,
+serving, the team's commands, benches, the warm process) is the `reprotrain` package beside it;
+docs/code-map.md maps both.
 """
 
-import atexit
-import sys
+from reprotrain.warm import hand_off_stage
 
-if sys.argv[:1] == ["-m"] and "-m" in sys.orig_argv:  # `python -m stages.<module>`
-    from stages.lib import warm
-
-    # Before any library registers its own: the exit handler that runs last, which ends a
-    # finished stage without the interpreter's teardown (stages/lib/warm.py finish).
-    atexit.register(warm.end_finished)
-    # `python -m stages.<stage>`, as DVC runs it: in the warm process where one serves, which
-    # has torch and MLflow imported already (stages/lib/warm.py); otherwise here, as usual.
-    if sys.orig_argv[sys.orig_argv.index("-m") + 1].count(".") == 1:
-        warm.hand_off(sys.orig_argv[sys.orig_argv.index("-m") + 1])
+hand_off_stage()  # `python -m stages.<stage>` runs in the warm process where one serves

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from stages import tracking, weights
+from reprotrain import tracking
+from stages import weights
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
 from stages.data import load_meta, load_split, resolve_workers
 from stages.lib.cli import run_stage

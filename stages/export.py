@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import tracking, weights
+from reprotrain import tracking
+from stages import weights
 from stages.config import (
     EVAL_DIR,
     EXPORT_DIR,

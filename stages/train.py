@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from stages import distributed, hooks, tracking, weights
+from reprotrain import tracking
+from stages import distributed, hooks, weights
 from stages.checkpoints import (
     CheckpointError,
     check_checkpoint_root,

@@ -462,7 +462,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _seconds[name] = _seconds.get(name, 0.0) + report.duration
 
 
-# The warm processes this session's tests start (stages/lib/warm.py) end with it, not 5 idle
+# The warm processes this session's tests start (reprotrain/warm.py) end with it, not 5 idle
 # minutes later; a user's own, in the same venv, serve on. Every process a test starts inherits
 # this session's mark (env_with copies os.environ), and so does a warm process it starts.
 WARM_MARK = "REPROTRAIN_TEST_SESSION"

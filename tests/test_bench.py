@@ -1,4 +1,4 @@
-"""`python -m stages.bench.training --quick` runs every row and writes the report. Timings are not
+"""`python -m reprotrain.bench.training --quick` runs every row and writes the report. Timings are not
 asserted: on shared machines they are noise; the ratios are for the report."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from stages.bench.training import NOISY_SPREAD, QUICK_SKIPS, ROWS, markdown
+from reprotrain.bench.training import NOISY_SPREAD, QUICK_SKIPS, ROWS, markdown
 from tests.conftest import ROOT, env_with, run
 
 
 def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
     out = tmp_path / "bench"
-    run([sys.executable, "-m", "stages.bench.training", "--quick", "--steps", "2", "--synthetic-size", "16",
+    run([sys.executable, "-m", "reprotrain.bench.training", "--quick", "--steps", "2",
+         "--synthetic-size", "16",
          "--cifar-width", "8", "--out", str(out), "--json", str(tmp_path / "r.json")],
         ROOT, env=env_with(PYTHONPATH=str(ROOT)))
     report = json.loads((tmp_path / "r.json").read_text())
@@ -44,7 +45,7 @@ def test_bench_on_the_prepared_split_puts_a_plain_loop_beside_the_repos(tmp_path
     prepare(tmp_path, **{"data.source": "fashion_mnist", "data.root": str(tmp_path / "fashion"),
                          "model.width": "8"})
     out = tmp_path / "bench"
-    run([sys.executable, "-m", "stages.bench.training", "--datasets", "prepared", "--rows",
+    run([sys.executable, "-m", "reprotrain.bench.training", "--datasets", "prepared", "--rows",
          "standard,plain,optimized", "--rounds", "1", "--steps", "3", "--batch-size", "16",
          "--out", str(out)], tmp_path, env=env_with(PYTHONPATH=str(ROOT)))
     rows = json.loads((out / "results.json").read_text())["rows"]
@@ -59,7 +60,7 @@ def test_bench_on_the_prepared_split_puts_a_plain_loop_beside_the_repos(tmp_path
 
 
 def test_unknown_row_is_refused():
-    p = run([sys.executable, "-m", "stages.bench.training", "--rows", "standard,turbo"], ROOT,
+    p = run([sys.executable, "-m", "reprotrain.bench.training", "--rows", "standard,turbo"], ROOT,
             env=env_with(PYTHONPATH=str(ROOT)), check=False)
     assert p.returncode == 2 and "unknown rows ['turbo']" in p.stderr
 
@@ -80,7 +81,7 @@ def test_report_warns_about_rows_whose_rounds_disagree():
 
 
 def test_pipeline_bench_splits_a_real_stage_run_into_its_parts(tmp_path):
-    from stages.bench import pipeline as bench_pipeline
+    from reprotrain.bench import pipeline as bench_pipeline
     from tests.conftest import copy_repo
 
     repo = copy_repo(tmp_path)
@@ -101,7 +102,7 @@ def test_storage_bench_times_both_remotes_and_leaves_nothing_behind(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out = tmp_path / "storage.md"
-    p = run([sys.executable, "-m", "stages.bench.storage", "--no-model", "--size-mb", "2",
+    p = run([sys.executable, "-m", "reprotrain.bench.storage", "--no-model", "--size-mb", "2",
              "--file-kb", "64", "--out", str(out)], ROOT,
             env=env_with(PYTHONPATH=str(ROOT), TMPDIR=str(tmp)))
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines()
@@ -119,7 +120,7 @@ def test_storage_bench_times_both_remotes_and_leaves_nothing_behind(tmp_path):
 
 
 def test_storage_report_puts_training_beside_the_s3_restore():
-    from stages.bench.storage import markdown
+    from reprotrain.bench.storage import markdown
 
     both = {"folder": [2.0], "s3": [3.0]}
     samples = {f"{k}/{r}": v for k in ("share", "exp_pull", "pull", "clone_restore", "data_push",

@@ -207,7 +207,7 @@ def test_a_finished_stage_exits_without_losing_anything(tmp_path):
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from stages.lib import warm
+from reprotrain import warm
 from stages.lib.cli import run_stage
 atexit.register(warm.end_finished)  # as stages/__init__.py does for `python -m stages.<module>`
 out = Path({str(tmp_path)!r})
@@ -263,7 +263,7 @@ def refused(path, stage: str, expected: str, seconds: float = 90, **env: str) ->
     """Run the stage for real; it must fail in one line naming `expected`, quickly, writing nothing."""
     t = time.perf_counter()
     # The timeout kills a stage that spins (an unbounded alias expansion ran for minutes). A
-    # stage may first wait for a warm process still importing (stages/lib/warm.py, up to 60 s).
+    # stage may first wait for a warm process still importing (reprotrain/warm.py, up to 60 s).
     p = run([sys.executable, "-m", f"stages.{stage}"], path,
             env=env_with(PYTHONPATH=str(ROOT), **env), check=False, timeout=seconds)
     assert p.returncode == 1, p.stderr

@@ -11,22 +11,21 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from reprotrain.bench.imports import closure, cycles, graph, module_file, sources
 from stages import config
-from stages.bench.imports import closure, cycles, graph, module_file, sources
 from tests.conftest import ROOT, copy_repo, env_with, run
 
-# The team's packages never decide an output: tracking logs to MLflow and writes only side files
-# that no stage reads back as an input, the sweep's trial hook only stops a pruned trial, serving
-# logs the served model to MLflow. Editing them reruns no stage (dvc.yaml says why, and
+# The platform never decides an output: tracking logs to MLflow and writes only side files that
+# no stage reads back as an input, the sweep's trial hook only stops a pruned trial, serving logs
+# the served model to MLflow, the warm process runs a stage as a fresh process would
+# (tests/test_warm.py). Editing it reruns no stage (dvc.yaml says why, and
 # tests/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
-TEAM = ("stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench")
-# Modules that change no output either: stages/__init__.py (the finder that names a moved
-# module's new place, and the hand-off to the warm process), stages/lib/cli.py (exit codes,
-# one-line errors, argparse helpers), stages/lib/errors.py (the error class they print),
-# stages/hooks.py (a sweep's reporting hook, which can only stop a run) and stages/lib/warm.py
-# (which process runs a stage; tests/test_warm.py proves the same bytes).
-NO_OUTPUT_EFFECT = {"stages", "stages.hooks", "stages.lib.cli", "stages.lib.errors",
-                    "stages.lib.warm"}
+TEAM = ("reprotrain",)
+# Modules of the experiment that change no output either: stages/__init__.py (the hand-off to
+# the warm process), stages/lib/cli.py (exit codes, one-line errors, argparse helpers),
+# stages/lib/errors.py (the error class they print), stages/hooks.py (a sweep's reporting hook,
+# which can only stop a run).
+NO_OUTPUT_EFFECT = {"stages", "stages.hooks", "stages.lib.cli", "stages.lib.errors"}
 
 
 def team(module: str) -> bool:
@@ -74,12 +73,12 @@ def test_the_cli_module_changes_no_output():
                         "subprocess", "sys", "threading", "time", "typing", "warnings",
                         "collections.abc",
                         "contextlib", "pathlib", "stages.lib.errors", "stages.lib.files",
-                        "stages.lib.warm"}, imported
+                        "reprotrain.warm"}, imported
     errors = ast.parse((ROOT / "stages/lib/errors.py").read_text())
     assert not [n for n in ast.walk(errors) if isinstance(n, ast.Import | ast.ImportFrom)]
     # The warm process imports only the standard library: it holds no module of this project,
     # so each stage it forks imports the caller's own code.
-    tree = ast.parse((ROOT / "stages/lib/warm.py").read_text())
+    tree = ast.parse((ROOT / "reprotrain/warm.py").read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                 for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
                                      if isinstance(n, ast.ImportFrom) and n.module}

@@ -66,7 +66,7 @@ def test_the_way_back_to_main_works_where_main_was_never_built(tmp_path):
 
 def test_workspace_runs_are_named_apart(tmp_path, monkeypatch):
     """Five `dvc repro` runs with other lr and epochs were all `workspace@967714c`."""
-    from stages.tracking import run_name
+    from reprotrain.tracking import run_name
 
     copy_params(tmp_path)
     run(["git", "init", "-q"], tmp_path)

@@ -147,7 +147,7 @@ def test_ctrl_c_during_a_file_write_stays_a_ctrl_c_and_keeps_the_previous(tmp_pa
 
 SERVER_STOPPED_WHILE_IT_FORKS = """
 import os, signal, sys
-from stages.lib.processes import private_folder, started
+from reprotrain.processes import private_folder, started
 
 port = sys.argv[1]
 log = private_folder("forked") / "server.log"

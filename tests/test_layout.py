@@ -1,4 +1,5 @@
-"""The shape of stages/: the experiment at the top, the team's tools in packages."""
+"""The shape of the code: the experiment in stages/, the platform in reprotrain/, and the hooks
+between them (docs/code-map.md)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,37 @@ import subprocess
 import sys
 from importlib.util import find_spec
 
-from stages.bench.imports import closure, graph, packages_of, sources, summary
+from reprotrain.bench.imports import closure, crossing, graph, lines, packages_of, sources, summary
 from tests.conftest import ROOT
 
 
 def test_every_module_the_makefile_runs_exists():
-    modules = set(re.findall(r"\$\(PY\) -m (stages[\w.]*)", (ROOT / "Makefile").read_text()))
-    assert {"stages.params", "stages.tracking.sync", "stages.sweep"} <= modules
+    modules = set(re.findall(r"\$\(PY\) -m ((?:stages|reprotrain)[\w.]*)",
+                             (ROOT / "Makefile").read_text()))
+    assert {"stages.params", "reprotrain.tracking.sync", "reprotrain.sweep"} <= modules
     for module in modules:
         spec = find_spec(module)
         assert spec and (spec.submodule_search_locations is None or
                          find_spec(f"{module}.__main__")), f"`python -m {module}` cannot run"
+
+
+def test_the_experiment_reaches_the_platform_only_through_its_hooks():
+    """The tracker the stages log to, and the warm hand-off's one line; the sweep's reporting
+    hook is named in the environment, so it is no arrow at all."""
+    assert crossing(graph(sources())) == [
+        ("stages", "reprotrain.warm"), ("stages.evaluate", "reprotrain.tracking"),
+        ("stages.export", "reprotrain.tracking"), ("stages.train", "reprotrain.tracking")]
+
+
+def test_the_experiment_is_small_and_mostly_what_a_fork_edits():
+    n = lines()
+    assert n["all of stages/"] <= 6500, n
+    assert 4 * n["of which the five a fork edits"] >= n["all of stages/"], n
+
+
+def test_readme_is_a_how_to_of_at_most_250_lines():
+    """Measurements and the long forms live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
 def test_the_top_of_stages_holds_the_experiment_and_the_tools_have_packages():
@@ -28,15 +49,15 @@ def test_the_top_of_stages_holds_the_experiment_and_the_tools_have_packages():
     assert {"params", "prepare", "train", "evaluate", "export", "predict", "models", "sources",
             "loop", "config"} <= top
     assert summary(edges)["top_level_modules"] <= 22, sorted(top)
-    assert {"stages.tracking", "stages.sweep", "stages.serving", "stages.team", "stages.bench",
-            "stages.lib"} <= packages_of(edges)
+    assert {"reprotrain.tracking", "reprotrain.sweep", "reprotrain.serving", "reprotrain.team",
+            "reprotrain.bench", "stages.lib"} <= packages_of(edges)
     assert summary(edges)["cycles"] == 0
 
 
 def test_the_code_maps_picture_draws_from_this_checkout(tmp_path):
     """docs/code-map.md's command, as written: it drew nothing once stages/__init__ imported."""
     out = tmp_path / "imports.png"
-    p = subprocess.run([sys.executable, "-m", "stages.bench.imports", "--out", str(out)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "reprotrain.bench.imports", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True)
     assert p.returncode == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p.stderr
     assert p.stdout.startswith("modules=") and "cycles=0" in p.stdout.splitlines()[0]
@@ -56,18 +77,18 @@ def test_no_module_of_stages_imports_the_tests():
 
 def test_a_submodule_not_yet_imported_still_imports_from_its_package():
     """tracking's lazy names (its __getattr__) must not stand in the way of its own modules."""
-    p = subprocess.run([sys.executable, "-c", "from stages.tracking import sync; "
-                        "from stages.serving import registry; from stages.sweep import spec; "
+    p = subprocess.run([sys.executable, "-c", "from reprotrain.tracking import sync; "
+                        "from reprotrain.serving import registry; from reprotrain.sweep import spec; "
                         "print(sync.__name__, registry.__name__, spec.__name__)"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert p.stdout.split() == ["stages.tracking.sync", "stages.serving.registry",
-                                "stages.sweep.spec"], p.stderr
+    assert p.stdout.split() == ["reprotrain.tracking.sync", "reprotrain.serving.registry",
+                                "reprotrain.sweep.spec"], p.stderr
 
 
 def test_the_sweeps_processes_import_no_torch():
     """The launcher and each worker start in a third of a second, not 2.5 s: torch is the
     trials' (`dvc exp run`'s stages), not theirs."""
-    p = subprocess.run([sys.executable, "-c", "import sys; from stages.sweep import launch, report, "
+    p = subprocess.run([sys.executable, "-c", "import sys; from reprotrain.sweep import launch, report, "
                         "slurm, study, trial, worker; print(sorted({'torch', 'mlflow'} & set(sys.modules)))"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "[]", (p.stdout, p.stderr)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from stages import tracking
+from reprotrain import tracking
 from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
 from stages.loop import NonFiniteLossError

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.lib.pip_progress import narrate
+from reprotrain.pip_progress import narrate
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run
 
 # ------------------------------------------------------------ make share, make verify
@@ -347,7 +347,7 @@ def test_make_clean_removes_scratch_and_keeps_runs_data_and_models(tmp_path):
 
 
 def test_setup_says_what_pip_does_through_its_silences(tmp_path):
-    """`make setup`'s pip output, read by stages.lib.pip_progress: a numbered line per package, a
+    """`make setup`'s pip output, read by reprotrain.pip_progress: a numbered line per package, a
     line while pip is silent (minutes, unpacking torch), a count instead of pip's list. Real
     pip installs a wheel built here into a new venv; then pip's silence, made by waiting."""
     project = tmp_path / "tiny"
@@ -364,7 +364,7 @@ def test_setup_says_what_pip_does_through_its_silences(tmp_path):
         pip = subprocess.Popen([venv / "bin/python", "-m", "pip", "install", "--no-index",
                                 "--progress-bar", "off", "--find-links", wheels, "tiny"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        said = subprocess.run([sys.executable, "-m", "stages.lib.pip_progress", "--total", "1"],
+        said = subprocess.run([sys.executable, "-m", "reprotrain.pip_progress", "--total", "1"],
                               stdin=pip.stdout, cwd=ROOT, capture_output=True, text=True,
                               check=True)
         assert pip.wait() == 0
@@ -395,7 +395,7 @@ def test_setup_says_what_pip_does_through_its_silences(tmp_path):
                                     '{"threads": 2}', "", "\xff\xfe", None])
 def test_make_repros_note_says_nothing_of_a_record_it_cannot_read(tmp_path, monkeypatch, record):
     # Issue 42.10, second pass: `[]` failed make repro with a traceback.
-    from stages.team.verify import made_elsewhere
+    from reprotrain.team.verify import made_elsewhere
 
     monkeypatch.chdir(tmp_path)
     copy_params(tmp_path)
@@ -411,7 +411,7 @@ def test_make_repros_note_on_a_machine_that_cannot_train_as_params_say(tmp_path,
     # A teammate's GPU run, restored on a machine without CUDA: a note, never a failed make repro.
     import torch
 
-    from stages.team.verify import made_elsewhere
+    from reprotrain.team.verify import made_elsewhere
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: train.device=cuda trains")

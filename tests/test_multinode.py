@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stages.bench.netns import (
+from reprotrain.bench.netns import (
     HEAD,
     OTHER,
     Node,

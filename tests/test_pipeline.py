@@ -26,7 +26,7 @@ from tests.conftest import (
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     """A fresh copy of the repo after one `dvc repro` with a short training run, every stage
-    cold: what each stage imports when it starts without the warm process (stages/lib/warm.py,
+    cold: what each stage imports when it starts without the warm process (reprotrain/warm.py,
     which has them all imported already)."""
     path = copy_repo(tmp_path_factory.mktemp("repo"), {"epochs": "3"})
     timings = tmp_path_factory.mktemp("timings") / "stages.jsonl"

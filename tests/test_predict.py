@@ -107,7 +107,7 @@ def test_registry_moves_champion_only_on_better_accuracy_of_the_same_task(mlflow
     import mlflow
     import torch
 
-    from stages.tracking.tracker import register_version
+    from reprotrain.tracking.tracker import register_version
 
     mlflow.set_tracking_uri(mlflow_uri)
     client = mlflow.MlflowClient()

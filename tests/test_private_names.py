@@ -33,8 +33,8 @@ def test_the_heavy_modules_looked_up_by_name_exist():
 
 
 def test_the_modules_the_warm_process_preloads_exist():
-    # stages/lib/warm.py PRELOAD: one that moved would end every warm start in an ImportError.
-    from stages.lib.warm import PRELOAD
+    # reprotrain/warm.py PRELOAD: one that moved would end every warm start in an ImportError.
+    from reprotrain.warm import PRELOAD
 
     for name in PRELOAD:
         assert importlib.util.find_spec(name) is not None, f"{name} is gone: update PRELOAD"

@@ -1,11 +1,11 @@
-"""Every form a password takes in a URI or a connection string is masked (stages/lib/redact.py), and
+"""Every form a password takes in a URI or a connection string is masked (reprotrain/redact.py), and
 what is not a password stays, so that a message still names its database."""
 
 from __future__ import annotations
 
 import pytest
 
-from stages.lib.redact import holds_credentials, holds_password, masked
+from reprotrain.redact import holds_credentials, holds_password, masked
 from tests.conftest import env_with
 from tests.support.services import create_database, postgres  # noqa: F401 - the fixture
 
@@ -91,7 +91,7 @@ SPLIT = {
 
 @pytest.mark.parametrize("text", list(SPLIT))
 def test_no_part_of_a_secret_is_left_where_masking_once_stopped(text):
-    from stages.lib.redact import masked_uri
+    from reprotrain.redact import masked_uri
 
     for shown in (masked(text), masked_uri(text)):
         assert shown == SPLIT[text]
@@ -126,7 +126,7 @@ RAW = {f"postgresql://u:{SECRET} with blanks@h:5432/db": "postgresql://***@h:543
 
 @pytest.mark.parametrize("uri", list(RAW))
 def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
-    from stages.lib.redact import masked_uri
+    from reprotrain.redact import masked_uri
 
     assert masked_uri(uri) == RAW[uri] and SECRET not in masked_uri(uri)
     for text, want in FORMS.items():  # what masked() already masks stays as it is
@@ -136,8 +136,8 @@ def test_a_database_uri_is_masked_as_sqlalchemy_reads_it(uri):
 
 
 def test_the_server_and_the_sweep_mask_with_the_one_owner():
-    from stages.sweep.study import shown
-    from stages.team import server
+    from reprotrain.sweep.study import shown
+    from reprotrain.team import server
 
     for text, want in FORMS.items():
         assert server.masked(text) == want and shown(text) == want
@@ -161,7 +161,7 @@ def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres): 
 
     repo = project(tmp_path, TINY)
     env = env_with()
-    refused = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml", "--storage",
+    refused = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/tiny.yaml", "--storage",
                    f"postgresql://nobody@127.0.0.1:1/none?password={SECRET}&connect_timeout=3"],
                   repo, env=env, check=False)
     assert refused.returncode == 1 and "cannot open the study storage" in refused.stderr
@@ -169,7 +169,7 @@ def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres): 
     assert "password=***" in refused.stderr
 
     uri = create_database(postgres, "masked_sweep", schema=False) + f"?password={SECRET}&sslmode=disable"
-    proc = subprocess.Popen([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml",
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/tiny.yaml",
                              "--trials", "1", "--study", "masked", "--storage", uri], cwd=repo,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

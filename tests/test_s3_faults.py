@@ -1,9 +1,9 @@
 """Faults of a team's S3 storage, each one line naming the remote or the bucket and what to do,
 never a botocore traceback, and nothing half pushed (issue 33, item 5), against a real S3 server
-(SeaweedFS, stages/team/s3.py): a missing bucket, the server down before or killed during a
+(SeaweedFS, reprotrain/team/s3.py): a missing bucket, the server down before or killed during a
 push, a bucket over its quota, a certificate from a private CA, and `make server`'s check of
 its artifact bucket. A workspace of a few small files and a one-stage `dvc.yaml` is enough:
-`make share` runs `python -m stages.team.share`, as here."""
+`make share` runs `python -m reprotrain.team.share`, as here."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.team.s3 import S3, inside, start, stop, weed
+from reprotrain.team.s3 import S3, inside, start, stop, weed
 from tests.conftest import ROOT, VENV_BIN, env_with, run
 from tests.support.services import free_port, s3, s3_client_env, server_env  # noqa: F401 - the fixture
 from tests.support.workspaces import interruptible
@@ -50,7 +50,7 @@ def workspace(path: Path, s3: S3, url: str, files: int = 5, size: int = 1000) ->
 
 def share(w: Path, **env: str) -> subprocess.CompletedProcess:
     """What `make share` runs, in `w`."""
-    return run([sys.executable, "-m", "stages.team.share"], w, check=False,
+    return run([sys.executable, "-m", "reprotrain.team.share"], w, check=False,
                env=s3_client_env(w.parent, PYTHONPATH=str(ROOT), **env))
 
 
@@ -156,7 +156,7 @@ def start_server(artifacts: str, env: dict[str, str], tmp: Path,
                  port: int = 0) -> subprocess.CompletedProcess:
     """`make server ARTIFACTS=...` with the server's storage env; the database is never reached
     (the bucket is checked before it), so none is needed."""
-    return run([sys.executable, "-m", "stages.team.server", "--db",
+    return run([sys.executable, "-m", "reprotrain.team.server", "--db",
                 f"postgresql://mlflow@127.0.0.1:{free_port()}/mlflow", "--artifacts", artifacts,
                 "--port", str(port or free_port()), "--workers", "1"], ROOT, check=False,
                timeout=120,
@@ -206,7 +206,7 @@ def nothing_half(server: S3, entries: int) -> set[str]:
 
 def sharing(w: Path, server: S3, at_least: int) -> subprocess.Popen:
     """`make share` in the background, once `at_least` objects are in kill/files/."""
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.share"], cwd=w, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.share"], cwd=w, text=True,
                             env=s3_client_env(w.parent, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -353,7 +353,7 @@ def test_weeds_sockets_are_in_its_own_folder_never_at_fixed_names_in_tmp(tmp_pat
                                          (signal.SIGHUP, "group"), (signal.SIGQUIT, "group"),
                                          (signal.SIGKILL, "weed"), (signal.SIGKILL, "relay")])
 def test_sigterm_or_a_closed_terminal_stops_make_s3_and_its_weed_cleanly(tmp_path, sig, to):
-    """SIGTERM to make (which passes it on to its command), to `python -m stages.team.s3`
+    """SIGTERM to make (which passes it on to its command), to `python -m reprotrain.team.s3`
     alone, or SIGHUP to the whole group (a closed terminal), or Ctrl-\\ (SIGQUIT): SeaweedFS
     stops too, where it served on, an orphan holding the port, and the stop is clean: no `make:
     ***` line, and make ends as the signal ended it, or 0 when only its command got one. In `ps`
@@ -422,7 +422,7 @@ def test_make_s3_killed_by_sigkill_leaves_nothing_on_its_port(tmp_path):
     import psutil
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.s3", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.s3", "--port", str(port),
                              "--dir", str(tmp_path / "s3")], cwd=ROOT, env=env_with(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -548,10 +548,10 @@ def test_a_flood_of_idle_connections_from_another_user_never_takes_s3_down(tmp_p
     import boto3
     from botocore.config import Config
 
-    from stages.team.s3 import identities
+    from reprotrain.team.s3 import identities
 
     port, hard = free_port(), resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.s3", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.s3", "--port", str(port),
                              "--dir", str(tmp_path / "s3")], cwd=ROOT, env=env_with(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,

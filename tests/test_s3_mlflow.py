@@ -1,5 +1,5 @@
 """MLflow's artifacts on S3 (issue 33, item 3): `make server ARTIFACTS=s3://...` on PostgreSQL,
-with a real S3 server (SeaweedFS, stages/team/s3.py) behind it. The server alone holds the
+with a real S3 server (SeaweedFS, reprotrain/team/s3.py) behind it. The server alone holds the
 endpoint and the keys; the clients (the stages, `make sync`, `make serve`) hold none of them.
 Train, evaluate and export log the run and the served model into the bucket, `make serve`
 loads the champion from it; with the S3 server down behind a running tracking server, the
@@ -124,7 +124,7 @@ def test_make_serve_loads_the_champion_from_the_bucket(champion, tmp_path):
     port = free_port()
     log = tmp_path / "serve.out"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.serving.app", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "reprotrain.serving.app", "--port", str(port)],
                                 cwd=w, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
@@ -158,7 +158,7 @@ def test_s3_down_behind_the_server_spools_the_run_and_sync_lands_it_once(postgre
     model into the bucket, and a second sync sends nothing again."""
     import psutil
 
-    from stages.team.s3 import start, stop
+    from reprotrain.team.s3 import start, stop
 
     store = start(tmp_path / "s3", 0, (BUCKET,))
     port = int(store.endpoint.rsplit(":", 1)[1])
@@ -181,7 +181,7 @@ def test_s3_down_behind_the_server_spools_the_run_and_sync_lands_it_once(postgre
                 assert "spooled to .mlflow-spool/" in warned[0], warned
             assert "registered s3-champion in the local spool" in p.stdout, p.stdout
 
-            sync = [sys.executable, "-m", "stages.tracking.sync"]
+            sync = [sys.executable, "-m", "reprotrain.tracking.sync"]
             down = run(sync, w, env=env, check=False, timeout=180)
             lines = down.stderr.strip().splitlines()
             assert down.returncode == 1 and len(lines) == 1, down.stderr

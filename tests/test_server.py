@@ -40,7 +40,7 @@ def server(postgres, tmp_path_factory):  # noqa: F811 - the fixture imported abo
 
 
 def start_server(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.team.server", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "reprotrain.team.server", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -132,7 +132,7 @@ def test_a_schema_from_a_newer_mlflow_is_refused_in_one_line(postgres, tmp_path)
 def test_without_a_login_or_with_a_wrong_one_the_refusal_is_one_line(server, tmp_path):
     """Tracking never stops the stage: it goes on with one warning line that says how to fix
     it (Python's form of a warning added the file, line and source line: two lines)."""
-    code = ("from stages import tracking; from stages.config import MlflowConfig\n"
+    code = ("from reprotrain import tracking; from stages.config import MlflowConfig\n"
             "from stages.lib.cli import run_stage\n"
             "def main():\n"
             "    with tracking.start_run(MlflowConfig(experiment='refused')) as run:\n"
@@ -159,7 +159,7 @@ def test_a_login_the_server_checked_is_trusted_but_never_a_wrong_or_an_old_passw
     honour a change within AUTH_CACHE_S.)"""
     import mlflow.server
 
-    from stages.team.server import AUTH_CACHE_S
+    from reprotrain.team.server import AUTH_CACHE_S
 
     assert 0 < AUTH_CACHE_S <= 60
     env = {"MLFLOW_TRACKING_USERNAME": server.user, "MLFLOW_TRACKING_PASSWORD": server.password}
@@ -203,7 +203,7 @@ def test_a_read_only_user_can_browse_but_not_log(server, monkeypatch):
     import mlflow
     import mlflow.server
 
-    from stages import tracking
+    from reprotrain import tracking
     from stages.config import MlflowConfig
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)  # never this checkout's mlflow.db
@@ -466,7 +466,7 @@ def start_own_server(db: str, folder: Path, port: int, password: str) -> tuple[s
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"server-{len(list(folder.glob('server-*.out')))}.out"
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.team.server", "--db", db, "--artifacts",
+        proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.server", "--db", db, "--artifacts",
                                  folder / "artifacts", "--port", str(port), "--workers", "1"],
                                 cwd=ROOT, env=server_env("admin", password), stdout=f,
                                 stderr=subprocess.STDOUT)
@@ -644,8 +644,8 @@ def test_a_port_in_use_is_one_plain_line():
     use (while attempting to bind on address ('127.0.0.1', N)))`."""
     import socket
 
+    from reprotrain.team.server import check_port
     from stages.lib.errors import UserError
-    from stages.team.server import check_port
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

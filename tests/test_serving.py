@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from reprotrain.processes import answers
 from stages.data import save_prepared
-from stages.lib.processes import answers
 from stages.inference import PACKAGE
 from tests.conftest import ROOT, VENV_BIN, copy_params, env_with, run, set_params
 from tests.support.image_files import EPS, fake_ghostscript, many_scan_jpeg
@@ -213,8 +213,8 @@ def test_a_models_own_test_image_makes_the_example_request_of_a_non_digits_model
                                                                                   tmp_path):
     """Issue 57: a Fashion model's `make serve` printed its example with data/samples/7.png, a
     digit. A model of other classes gets one of its own test images, from its input example."""
-    from stages.serving.app import curl_line
-    from stages.serving.registry import example_image
+    from reprotrain.serving.app import curl_line
+    from reprotrain.serving.registry import example_image
 
     png = example_image(NAME, 1, tmp_path)
     assert png == tmp_path / "example.png" and Image.open(png).size == (16, 16)
@@ -569,7 +569,7 @@ def answer_of(s: socket.socket) -> bytes:
 
 
 def test_a_body_over_the_limit_gets_a_413_before_it_is_all_read(server):
-    from stages.serving.app import MAX_BODY_BYTES
+    from reprotrain.serving.app import MAX_BODY_BYTES
 
     host, port = "127.0.0.1", server["port"]
     head = f"POST /invocations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -691,13 +691,13 @@ class Exploit:
 
 def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
     """Anyone who can register a version on the team's server can put code in it: in its
-    models-from-code file, or as a pickle. Serving and loading through stages.serving.app takes only
+    models-from-code file, or as a pickle. Serving and loading through reprotrain.serving.app takes only
     its model.onnx and model.json; loading the registered model with MLflow alone runs the
     code."""
     import mlflow
     from omegaconf import OmegaConf
 
-    from stages.serving.registry import load_champion
+    from reprotrain.serving.registry import load_champion
 
     marker = tmp_path / "pwned"
     genuine = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1",
@@ -726,7 +726,7 @@ def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
         client.set_registered_model_alias(NAME, "champion", version)
         try:
             assert load_champion().predict(images) == good
-            assert not marker.exists(), f"{hostile.name}: stages.serving.app ran the model's code"
+            assert not marker.exists(), f"{hostile.name}: reprotrain.serving.app ran the model's code"
             # The fault is real: MLflow's own loader runs it.
             try:
                 mlflow.pyfunc.load_model(f"models:/{NAME}/{version}")
@@ -740,8 +740,8 @@ def test_a_hostile_registered_model_never_runs_its_code(logged_in, tmp_path):
 
 @pytest.fixture
 def in_workspace(logged_in):
-    """`python -m stages.serving.app`'s main in this process, as if run in the workspace."""
-    from stages.serving.app import main
+    """`python -m reprotrain.serving.app`'s main in this process, as if run in the workspace."""
+    from reprotrain.serving.app import main
 
     return main
 

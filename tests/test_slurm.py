@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from reprotrain.sweep import slurm as launcher
 from stages.lib.errors import UserError
-from stages.sweep import slurm as launcher
 from tests.support.slurm_cluster import slurm  # noqa: F401
 
 

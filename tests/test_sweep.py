@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
-from stages.sweep.spec import SweepError, load_sweep
+from reprotrain.sweep.spec import SweepError, load_sweep
 from tests.conftest import ROOT, copy_repo, env_with, run
 from tests.support.services import create_database, postgres, s3, s3_client_env  # noqa: F401
 from tests.support.slurm_cluster import slurm  # noqa: F401
 
 GOOD, BAD = 0.01, 1.0e-5  # BAD learns nothing in an epoch: the median pruner stops it
 # Random points seeded per trial number: trials 0-2 GOOD, 3 BAD, 4-7 GOOD (seed 10; see
-# stages.sweep.study.sampler_for), so trials 0 and 1 train side by side, later ones repeat them, and
+# reprotrain.sweep.study.sampler_for), so trials 0 and 1 train side by side, later ones repeat them, and
 # trial 3 starts once one of them is complete: the pruner has a curve to judge it by.
 TINY = f"""
 objective: {{file: models/train/metrics.json, metric: best_val_acc, direction: maximize}}
@@ -103,7 +103,7 @@ def test_outside_a_sweep_training_logs_as_before(monkeypatch):
 
 
 def test_parallel_workers_on_sqlite_are_refused_in_one_line(tmp_path):
-    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--workers", "2",
+    p = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/lr.yaml", "--workers", "2",
              "--storage", f"sqlite:///{tmp_path}/study.db"], ROOT, check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert "2 workers: Optuna's FAQ says not to share SQLite" in p.stderr
@@ -113,7 +113,7 @@ def test_parallel_workers_on_sqlite_are_refused_in_one_line(tmp_path):
 
 def test_a_bad_sweep_file_fails_before_the_storage_is_touched(tmp_path):
     bad = sweep_file(tmp_path, TINY.replace("lr:", "lrr:"))
-    p = run([sys.executable, "-m", "stages.sweep", "run", str(bad), "--storage",
+    p = run([sys.executable, "-m", "reprotrain.sweep", "run", str(bad), "--storage",
              "postgresql://nobody@127.0.0.1:1/none"], ROOT, check=False)
     assert p.returncode == 1 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
     assert "space.lrr: unknown key 'lrr'; did you mean 'lr'?" in p.stderr
@@ -186,7 +186,7 @@ def bucket(s3, prefix: str) -> dict[str, bytes]:  # noqa: F811 - the fixture's v
 
 
 def sweep(repo: Path, env: dict, study: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml",
+    return subprocess.Popen([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/tiny.yaml",
                              "--workers", "2", "--study", study, *args], cwd=repo, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -321,7 +321,7 @@ def test_a_sweep_on_slurm_retries_the_trial_of_a_cancelled_task(tmp_path, postgr
                                                                  monkeypatch):
     """The same workers as SLURM array tasks on a one-node cluster (munged, slurmctld, slurmd on
     loopback); `scancel` of the task that is training is a dead worker."""
-    from stages.sweep import slurm as launcher
+    from reprotrain.sweep import slurm as launcher
 
     repo = project(tmp_path, TINY.replace("trials: 8", "trials: 4"))
     uri = create_database(postgres, "slurm_sweep", schema=False)
@@ -388,7 +388,7 @@ def test_a_range_optuna_cannot_draw_from_is_refused_before_it_starts(tmp_path):
 def test_every_mistake_of_a_sweep_file_gets_its_line(tmp_path):
     bad = TINY.replace("trials: 8", "trails: 8").replace("name: random", "name: annealing") \
         .replace("grace_s: 4", "grace_s: 1000000000").replace("width: 8", "width: 0")
-    p = run([sys.executable, "-m", "stages.sweep", "run", str(sweep_file(tmp_path, bad)),
+    p = run([sys.executable, "-m", "reprotrain.sweep", "run", str(sweep_file(tmp_path, bad)),
              "--storage", NO_DB], ROOT, check=False)
     lines = p.stderr.splitlines()
     assert p.returncode == 1 and len(lines) == 4 and all(ln.startswith("error: ") for ln in lines), \
@@ -408,7 +408,7 @@ def test_every_mistake_of_a_sweep_file_gets_its_line(tmp_path):
 def test_trials_and_workers_are_bounded_before_anything_starts(tmp_path, args, message):
     """TRIALS=1000000000 once enqueued 5,504 trials in a minute and took the study's name."""
     storage = f"sqlite:///{tmp_path}/study.db" if "--workers" not in args else NO_DB
-    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", *args, "--storage",
+    p = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/lr.yaml", *args, "--storage",
              storage], ROOT, check=False, timeout=60)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and message in p.stderr, p.stderr
     assert not (tmp_path / "study.db").exists()
@@ -426,7 +426,7 @@ def test_a_hung_storage_ends_the_sweep_in_seconds_with_one_line(tmp_path):
         hung.listen()  # never accepted: the kernel completes the handshake, nobody answers
         port = hung.getsockname()[1]
         t0 = time.monotonic()
-        p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--trials", "3",
+        p = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/lr.yaml", "--trials", "3",
                  "--remote", str(tmp_path / "origin.git"), "--study", "hung", "--storage",
                  f"postgresql://optuna@127.0.0.1:{port}/sweeps"], repo, check=False, timeout=60)
         took = time.monotonic() - t0
@@ -442,7 +442,7 @@ def test_a_hung_storage_ends_the_sweep_in_seconds_with_one_line(tmp_path):
 def test_one_worker_is_singular_and_the_docs_sqlite_study_is_ignored_by_git():
     """Issue 57: `on 1 local workers`, and docs/sweeps.md's `sqlite:///sweep.db` left an
     untracked file in `git status`."""
-    from stages.sweep.launch import workers_text
+    from reprotrain.sweep.launch import workers_text
 
     assert workers_text(1, "local") == "1 local worker"
     assert workers_text(4, "slurm") == "4 slurm workers"
@@ -454,7 +454,7 @@ def test_the_trials_table_shows_the_objective_s_whole_name():
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from stages.sweep.report import summary
+    from reprotrain.sweep.report import summary
 
     study = optuna.create_study(direction="minimize")
     for lr, loss in ((0.003, 0.0213), (0.03, 0.0871)):
@@ -488,7 +488,7 @@ def test_the_shipped_sweeps_rank_by_validation_loss():
 def test_a_local_dvc_remote_reaches_the_workers_clones(tmp_path):
     """`dvc remote add -d --local` commits nothing (HEAD stays, earlier experiments stay in
     `make exps`), but git does not carry .dvc/config.local: the workers' clones get its URL."""
-    from stages.sweep.worker import has_dvc_remote, shared_dvc_remote, use_dvc_remote
+    from reprotrain.sweep.worker import has_dvc_remote, shared_dvc_remote, use_dvc_remote
 
     repo = tmp_path / "repo"
     run(["git", "init", "-q", str(repo)], tmp_path)
@@ -510,7 +510,7 @@ def test_a_trial_pulls_what_its_stages_read_not_the_dataset_prepare_read(tmp_pat
     worker download beside its shards). Where no one pushed data/prepared, the trial pulls the
     folder and reruns prepare; at the commit's own point (lr 0.1) it pulls the commit's model,
     or trains where no one pushed it: as plain `--pull` did."""
-    from stages.sweep.worker import exp_run
+    from reprotrain.sweep.worker import exp_run
 
     repo = tmp_path / "repo"
     run(["git", "init", "-q", str(repo)], tmp_path)
@@ -552,7 +552,7 @@ def test_a_local_s3_remote_reaches_the_workers_with_its_endpoint_and_keys_apart(
     """An S3 remote added --local: the study carries its URL and endpoint but no key (the team's
     database keeps it); the keys go to the workers in their environment, and a worker's clone
     pulls what the workspace pushed."""
-    from stages.sweep.worker import dvc_remote_keys, shared_dvc_remote, use_dvc_remote
+    from reprotrain.sweep.worker import dvc_remote_keys, shared_dvc_remote, use_dvc_remote
 
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(k, raising=False)
@@ -596,7 +596,7 @@ def test_a_git_remote_with_a_password_is_refused_unseen(tmp_path):
     run(["git", "remote", "add", "origin", url], repo)
     for origin, remote in ((url, "origin"), (url, url), (bare, "origin"), (bare, bare)):
         run(["git", "remote", "set-url", "origin", origin], repo)
-        p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/lr.yaml", "--trials", "1",
+        p = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/lr.yaml", "--trials", "1",
                  "--remote", remote, "--study", "token", "--storage",
                  "postgresql://optuna@127.0.0.1:1/sweeps"], repo, check=False, timeout=120)
         assert p.returncode == 1 and token not in p.stdout + p.stderr, (p.stdout, p.stderr)
@@ -610,7 +610,7 @@ def test_a_local_default_dvc_remote_wins_over_the_committed_one_in_the_workers_c
     then makes a folder the workspace's default with `dvc remote add -d --local`. The workers'
     clones kept the committed S3 default, without keys, and every trial failed `Unable to locate
     credentials`: they use the remote the workspace uses."""
-    from stages.sweep.worker import (
+    from reprotrain.sweep.worker import (
         dvc_remote_keys,
         remote_for_clones,
         shared_dvc_remote,
@@ -662,7 +662,7 @@ def test_a_dvc_remote_with_a_token_or_password_in_its_url_never_reaches_the_stud
                                                                                  capsys, url):
     # Issue 42.3, second pass: only a password was refused; a token as the user name went into
     # the study's attributes and every worker's config.
-    from stages.sweep.worker import shared_dvc_remote
+    from reprotrain.sweep.worker import shared_dvc_remote
 
     run(["git", "init", "-q", str(tmp_path)], tmp_path)
     run(["dvc", "init", "-q"], tmp_path)
@@ -681,7 +681,7 @@ def test_a_sweep_whose_every_trial_failed_exits_1_naming_the_cause(tmp_path):
     run(["git", "commit", "-qm", "an S3 remote", ".dvc/config"], repo)
     run(["git", "push", "-q", "origin", "HEAD"], repo)
     env = s3_client_env(tmp_path, REPROTRAIN_SWEEP_STORAGE=f"sqlite:///{tmp_path}/study.db")
-    p = run([sys.executable, "-m", "stages.sweep", "run", "sweeps/tiny.yaml", "--workers", "1",
+    p = run([sys.executable, "-m", "reprotrain.sweep", "run", "sweeps/tiny.yaml", "--workers", "1",
              "--study", "nokeys"], repo, env=env, check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1, (p.stdout[-3000:], p.stderr)
     assert p.stderr.startswith("error: no trial of study nokeys completed: 2 failed") and \
@@ -698,7 +698,7 @@ def test_the_picture_of_a_sweep_without_a_complete_trial_says_so():
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from stages.sweep.report import figure
+    from reprotrain.sweep.report import figure
 
     study = optuna.create_study(study_name="nokeys", direction="minimize")
     for lr in (0.003, 0.03):

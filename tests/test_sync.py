@@ -1,6 +1,6 @@
 """The tracking server going away loses nothing, and local runs move up to it: a real `mlflow
 server` on a free loopback port, killed and started again on the same port and database; the
-spool replayed with `python -m stages.tracking.sync` (what `make sync` runs), also twice and after a
+spool replayed with `python -m reprotrain.tracking.sync` (what `make sync` runs), also twice and after a
 kill halfway; a workspace's own mlflow.db moved up with its registered model."""
 
 from __future__ import annotations
@@ -99,12 +99,12 @@ def stage(name: str, w: Path, uri: str, check: bool = True) -> subprocess.Comple
 
 
 def sync(w: Path, uri: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "stages.tracking.sync", *args], w, check=check,
+    return run([sys.executable, "-m", "reprotrain.tracking.sync", *args], w, check=check,
                env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, DVC_ROOT=str(w)))
 
 
 def history(w: Path) -> dict[str, list[tuple[int, float]]]:
-    from stages.tracking import metric_name
+    from reprotrain.tracking import metric_name
 
     with open(w / "models/train/history.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -221,7 +221,7 @@ def test_server_down_at_start_spools_and_sync_lands_everything_once(tmp_path, di
         # Killed halfway, for certain: the first artifact upload it sends (after the run, its
         # params and metrics) goes through a proxy that SIGKILLs it instead of forwarding.
         with killing_proxy(uri, "/mlflow-artifacts/artifacts/") as (via, victim):
-            proc = subprocess.Popen([sys.executable, "-m", "stages.tracking.sync"], cwd=w,
+            proc = subprocess.Popen([sys.executable, "-m", "reprotrain.tracking.sync"], cwd=w,
                                     env=env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=via,
                                                  DVC_ROOT=str(w)),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -311,7 +311,7 @@ def test_sync_from_moves_a_workspaces_own_runs_up_once(tmp_path, digits, server_
      "error: FROM=sqlite:///nope/mlflow.db: no such file"),
 ])
 def test_sync_refuses_in_one_line(tmp_path, args, env, expected):
-    p = run([sys.executable, "-m", "stages.tracking.sync", *args], tmp_path, check=False,
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync", *args], tmp_path, check=False,
             env=env_with(PYTHONPATH=str(ROOT), **env))
     assert p.returncode == 1 and p.stderr.strip().startswith(expected) and \
         len(p.stderr.strip().splitlines()) == 1, p.stderr
@@ -319,7 +319,8 @@ def test_sync_refuses_in_one_line(tmp_path, args, env, expected):
 
 def test_sync_to_a_server_that_does_not_answer_is_one_line(tmp_path):
     (tmp_path / "local.db").touch()
-    p = run([sys.executable, "-m", "stages.tracking.sync", "--from", f"sqlite:///{tmp_path / 'local.db'}"],
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync", "--from",
+             f"sqlite:///{tmp_path / 'local.db'}"],
             tmp_path, check=False, env=env_with(PYTHONPATH=str(ROOT),
                                                 MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"))
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
@@ -506,9 +507,9 @@ def test_a_failing_server_spools_the_run_and_sync_lands_it_once(failure, team, a
     spool = mlflow.MlflowClient(stores_spool(w))
     assert spool.search_runs([spool.get_experiment_by_name(experiment).experiment_id])
 
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, env=logged_in(server, server.uri, w))
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, env=logged_in(server, server.uri, w))
     assert p.stdout.startswith("synced 1 run(s)") and len(p.stdout.splitlines()) == 1, p.stdout
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, env=logged_in(server, server.uri, w))
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, env=logged_in(server, server.uri, w))
     assert p.stdout.startswith("synced 0 run(s)") and "1 run(s) already there" in p.stdout
     [r] = server_runs(admin, experiment)
     assert r.info.status == "FINISHED" and r.data.params["epochs"] == "3"
@@ -534,7 +535,7 @@ def test_a_registration_the_server_fails_lands_once_with_its_model(team, admin, 
     assert "continuing without tracking" not in p.stderr, p.stderr
     assert f"registered {name} in the local spool" in p.stdout, p.stdout
     for _ in range(2):
-        run([sys.executable, "-m", "stages.tracking.sync"], w, env=logged_in(server, server.uri, w))
+        run([sys.executable, "-m", "reprotrain.tracking.sync"], w, env=logged_in(server, server.uri, w))
     [r] = server_runs(admin, name)
     [version] = admin.search_model_versions(f"name = '{name}'")
     [model] = admin.search_logged_models([r.info.experiment_id])
@@ -586,7 +587,7 @@ def sync_process(server: MlflowServer, w: Path, call: str, ready: Path, go: Path
                  **env: str) -> subprocess.Popen:
     """A process that imports what sync needs, says it is `ready`, and at `go` runs `call`:
     two of them reach the server at the same moment."""
-    code = ("import os, sys, time\nimport mlflow, stages.tracking.sync, stages.tracking.spool\n"
+    code = ("import os, sys, time\nimport mlflow, reprotrain.tracking.sync, reprotrain.tracking.spool\n"
             "open(sys.argv[1], 'w').close()\n"
             "while not os.path.exists(sys.argv[2]):\n    time.sleep(0.005)\n" + call)
     return subprocess.Popen([sys.executable, "-c", code, str(ready), str(go)], cwd=w, text=True,
@@ -594,8 +595,8 @@ def sync_process(server: MlflowServer, w: Path, call: str, ready: Path, go: Path
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-CALLS = {"make sync": "stages.tracking.sync.main([])",
-         "a stage's replay": "stages.tracking.spool.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
+CALLS = {"make sync": "reprotrain.tracking.sync.main([])",
+         "a stage's replay": "reprotrain.tracking.spool.replay_spool(os.environ['MLFLOW_TRACKING_URI'])"}
 
 
 @pytest.mark.parametrize("second", list(CALLS))
@@ -635,8 +636,8 @@ def test_two_syncs_at_once_land_each_run_and_version_once(second, team, admin, e
 def test_the_sync_lock_is_never_followed_through_a_link_nor_skipped(tmp_path):
     """A link planted at the lock's name had its target truncated and overwritten, and a lock
     that could not be opened was skipped, so two syncs could double again (second pass)."""
+    from reprotrain.tracking import sync
     from stages.lib.errors import UserError
-    from stages.tracking import sync
 
     db, lock = tmp_path / "mlflow.db", tmp_path / "mlflow.db.sync-lock"
     target = tmp_path / "precious.txt"
@@ -670,7 +671,7 @@ def test_a_spool_sent_already_is_one_line_without_mlflow_or_the_server(empty_db,
     for r in runs:
         client.set_tag(r.info.run_id, "reprotrain.synced", f"{uri}@{r.info.end_time}")
     env = env_with(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=uri, DVC_ROOT=str(w))
-    code = ("import sys, stages.tracking.sync as s; s.main([]); "
+    code = ("import sys, reprotrain.tracking.sync as s; s.main([]); "
             "print(sorted({'mlflow', 'torch'} & set(sys.modules)))")
     p = run([sys.executable, "-c", code], w, env=env)
     assert p.stdout.splitlines() == [f"synced 0 run(s) from .mlflow-spool/ to {uri}: 0 metric "
@@ -678,7 +679,7 @@ def test_a_spool_sent_already_is_one_line_without_mlflow_or_the_server(empty_db,
                                      "there", "[]"] and not p.stderr, (p.stdout, p.stderr)
     assert not (w / ".mlflow-spool/unsynced").exists()  # stages no longer replay it
     client.set_tag(runs[0].info.run_id, "reprotrain.synced", f"{uri}@0")  # reopened since
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False, env=env)
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False, env=env)
     assert p.returncode == 1 and "does not answer" in p.stderr, p.stderr
 
 
@@ -693,9 +694,9 @@ def test_a_create_whose_answer_is_lost_lands_once(lost, team, admin, empty_db, t
     fill_spool(w, empty_db, name, runs=2, model=name)
     with faulty_proxy(server.uri) as proxy:
         proxy.loses = lost
-        run([sys.executable, "-m", "stages.tracking.sync"], w, env=logged_in(server, proxy.uri, w))
+        run([sys.executable, "-m", "reprotrain.tracking.sync"], w, env=logged_in(server, proxy.uri, w))
         assert not proxy.loses  # the fault happened
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, env=logged_in(server, server.uri, w))
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, env=logged_in(server, server.uri, w))
     assert "2 run(s) already there" in p.stdout, p.stdout
     runs = server_runs(admin, name)
     assert len(runs) == 2 and len({r.data.tags["reprotrain.source_run"] for r in runs}) == 2
@@ -711,7 +712,7 @@ def test_sync_with_a_bad_http_timeout_names_it_in_one_line(value, team, empty_db
     server, _ = team
     w = tmp_path / "w"
     db = fill_spool(w, empty_db, f"timeout-{os.urandom(3).hex()}")
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False,
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False,
             env=logged_in(server, server.uri, w, MLFLOW_HTTP_REQUEST_TIMEOUT=value))
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
@@ -735,7 +736,7 @@ def test_a_store_of_another_mlflow_is_named_not_the_server(how, team, empty_db, 
         con.commit()
     kept = db.read_bytes()
     for args in ([], ["--from", f"sqlite:///{db}"]):
-        p = run([sys.executable, "-m", "stages.tracking.sync", *args], w, check=False,
+        p = run([sys.executable, "-m", "reprotrain.tracking.sync", *args], w, check=False,
                 env=logged_in(server, server.uri, w))
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 1 and len(lines) == 1, p.stderr
@@ -772,7 +773,7 @@ def test_a_damaged_spool_is_kept_aside_and_named_in_one_line(how, team, empty_db
     db = fill_spool(w, empty_db, f"damaged-{os.urandom(3).hex()}", steps=3000)
     damage_spool(db, how)
     bad = db.read_bytes()
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False,
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False,
             env=logged_in(server, server.uri, w))
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
@@ -793,7 +794,7 @@ def test_sync_into_an_experiment_an_admin_deleted_refuses_in_one_line(team, admi
     admin.delete_experiment(exp_id)
     w = tmp_path / "w"
     db = fill_spool(w, empty_db, name)
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False,
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False,
             env=logged_in(server, server.uri, w))
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
@@ -817,7 +818,7 @@ def test_sync_refused_by_the_server_is_one_line_naming_the_user(who, team, admin
         mlflow.server.get_app_client("basic-auth", tracking_uri=server.uri).create_user(user, password)
     w = tmp_path / "w"
     db = fill_spool(w, empty_db, name)
-    p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False,
+    p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False,
             env=logged_in(server, server.uri, w, MLFLOW_TRACKING_USERNAME=user,
                           MLFLOW_TRACKING_PASSWORD=password))
     lines = p.stderr.strip().splitlines()
@@ -841,7 +842,7 @@ def test_sync_to_a_failing_server_is_bounded_and_one_line(failure, team, empty_d
         else:
             faults.enter_context(database_stopped(db))
         t = time.perf_counter()
-        p = run([sys.executable, "-m", "stages.tracking.sync"], w, check=False, timeout=120,
+        p = run([sys.executable, "-m", "reprotrain.tracking.sync"], w, check=False, timeout=120,
                 env=logged_in(server, proxy.uri, w))
         took = time.perf_counter() - t
     print(f"{failure}: sync took {took:.1f}s")

@@ -137,8 +137,8 @@ def team_modules(repo: Path) -> list[str]:
 
 
 # What `make sync`, the sweep, the server and serving run; then all five packages at once.
-TEAM_EDITS = {"sync": ["stages/tracking/sync.py"], "sweep": ["stages/sweep/__main__.py"],
-              "server": ["stages/team/server.py"], "serving": ["stages/serving/app.py"],
+TEAM_EDITS = {"sync": ["reprotrain/tracking/sync.py"], "sweep": ["reprotrain/sweep/__main__.py"],
+              "server": ["reprotrain/team/server.py"], "serving": ["reprotrain/serving/app.py"],
               "every team module": []}
 
 

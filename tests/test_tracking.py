@@ -20,7 +20,7 @@ import mlflow
 import pytest
 import torch
 
-from stages import tracking
+from reprotrain import tracking
 from stages.checkpoints import latest_checkpoint
 from stages.config import MlflowConfig, Params, flatten
 from stages.data import save_prepared
@@ -183,7 +183,7 @@ def test_sigterm_marks_the_run_killed(tmp_path, digits, mlflow_uri):
 def test_a_read_only_mlflow_store_is_one_warning(tmp_path, mlflow_uri, capfd, monkeypatch):
     import mlflow
 
-    from stages import tracking
+    from reprotrain import tracking
     from stages.config import MlflowConfig
 
     db = tmp_path / "mlflow.db"  # a store that has served runs, then became read-only

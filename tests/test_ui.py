@@ -45,7 +45,7 @@ def test_make_ui_prints_its_addresses_together_once_it_answers(tmp_path, mlflow_
     victim.write_text("untouched\n")
     planted.unlink(missing_ok=True)
     planted.symlink_to(victim)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.ui", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.ui", "--port", str(port)], cwd=ROOT,
                             env=env_with(MLFLOW_TRACKING_URI=f"sqlite:///{db}?timeout=60"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -88,10 +88,10 @@ def test_make_killed_ends_the_server_it_started(tmp_path):
             if line.startswith(f"http://127.0.0.1:{port}"):
                 break
         everything = psutil.Process(proc.pid).children(recursive=True)
-        assert len(everything) >= 2, everything  # stages.team.ui and the MLflow server, at least
+        assert len(everything) >= 2, everything  # reprotrain.team.ui and the MLflow server, at least
         # Not MLflow's job runner and its seven consumers, which double a start's CPU.
         assert not [p for p in everything if "mlflow.server.jobs" in " ".join(p.cmdline())]
-        proc.kill()  # make alone, as `kill -9` on its pid: stages.team.ui's parent is gone
+        proc.kill()  # make alone, as `kill -9` on its pid: reprotrain.team.ui's parent is gone
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(everything, timeout=60)
         assert not alive, [p.cmdline() for p in alive]
@@ -107,7 +107,7 @@ def test_a_store_s_password_is_on_no_command_line_and_in_no_message(tmp_path):
     import psutil
 
     secret = "store-S3cr3t"
-    proc = subprocess.Popen([sys.executable, "-m", "stages.team.ui", "--port", str(free_port()),
+    proc = subprocess.Popen([sys.executable, "-m", "reprotrain.team.ui", "--port", str(free_port()),
                              "--timeout", "20"], cwd=ROOT, env=env_with(
         MLFLOW_TRACKING_URI=f"postgresql://mlflow:{secret}@127.0.0.1:1/mlflow"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -1,4 +1,4 @@
-"""The warm process (stages/lib/warm.py): a stage forked from it runs the caller's code in the
+"""The warm process (reprotrain/warm.py): a stage forked from it runs the caller's code in the
 caller's folder, writes the bytes a cold stage writes, and goes when its caller goes."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.lib import warm
+from reprotrain import warm
 from tests.conftest import ROOT, VENV_BIN, copy_params, copy_repo, env_with, run
 from tests.support.workspaces import interruptible, one_error_line, wait_for_checkpoint, workspace
 
@@ -34,7 +34,7 @@ def serving(sock: Path) -> bool:
 
 def socket_of(cwd: Path, env: dict) -> Path:
     """The warm process's socket for a stage run in `cwd` with `env`."""
-    return Path(run([sys.executable, "-c", "from stages.lib.warm import socket_path; "
+    return Path(run([sys.executable, "-c", "from reprotrain.warm import socket_path; "
                      "print(socket_path())"], cwd, env).stdout.strip())
 
 
@@ -214,7 +214,8 @@ def test_a_lone_stage_starts_no_warm_process_and_a_second_one_does(tmp_path):
 # see it: the variables the warm process's imports set, its seeds, flags and name.
 PROBE = '''
 import importlib, json, multiprocessing, os, sys
-from stages.lib.warm import PRELOAD, in_warm_child
+from reprotrain.warm import PRELOAD
+from stages.lib.cli import in_warm_child
 for name in PRELOAD:  # a cold process imports what the warm one has: both then set the same
     importlib.import_module(name)
 import torch
@@ -277,10 +278,10 @@ def test_shell_prompts_and_an_activated_venv_share_the_warm_process_of_make_and_
     env = env_with()
     plain = socket_of(ROOT, env)
     activated = run(["bash", "-c", f'. "{VENV_BIN}/activate" && export PS1 && python -c '
-                     '"from stages.lib.warm import socket_path; print(socket_path())"'],
+                     '"from reprotrain.warm import socket_path; print(socket_path())"'],
                     ROOT, env).stdout.strip()
     (tmp_path / "Makefile").write_text(
-        f"all:\n\t@cd {ROOT} && python -c 'from stages.lib.warm import socket_path; "
+        f"all:\n\t@cd {ROOT} && python -c 'from reprotrain.warm import socket_path; "
         "print(socket_path())'\n")
     made = run(["make", "-s", "-C", str(tmp_path)], ROOT, env).stdout.strip()
     assert activated == made == str(plain)
@@ -444,7 +445,7 @@ def test_a_stage_keeps_its_callers_scheduling_policy_and_io_class(probe_repo, tm
     copy_params(tmp_path)
     reset = ("chrt", "-R", "--batch", "0")
     env = env_with(PYTHONPATH=str(ROOT), WARM_TEST_RUN=uuid.uuid4().hex)
-    sock = Path(run([*reset, sys.executable, "-c", "from stages.lib.warm import socket_path; "
+    sock = Path(run([*reset, sys.executable, "-c", "from reprotrain.warm import socket_path; "
                      "print(socket_path())"], tmp_path, env).stdout.strip())
     for _ in range(2):  # the second would start one
         run([*reset, sys.executable, "-m", "stages.params"], tmp_path, env)

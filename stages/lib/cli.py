@@ -22,9 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from stages.lib.errors import StageWarning, UserError
-from stages.lib.warm import finish, in_warm_child
 
-# Where a stage's time goes, for `python -m stages.bench.training --pipeline`: seconds in MLflow calls
+# Where a stage's time goes, for `python -m reprotrain.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
 STAGE_TIMES = {"tracking_s": 0.0, "loop_s": 0.0}
 # Libraries that cost a second or more to import: which of them a stage loaded (names looked up
@@ -33,6 +32,9 @@ HEAVY_IMPORTS = ("sklearn", "scipy", "torch.onnx", "mlflow", "matplotlib", "onnx
                  "torchvision")
 
 
+# A finished stage's exit status, read by the exit handler that runs last (end_finished in
+# reprotrain/warm.py, registered as `stages` is imported), which then skips the teardown.
+finished: int | None = None
 _timing: set[str] = set()  # phases being timed: a nested `timed` of the same phase adds nothing
 
 
@@ -108,7 +110,15 @@ def run_stage(main: Callable[[], None]) -> None:
             f.write(json.dumps(record) + "\n")
     # Without the interpreter's teardown, which spends 1-2 s per stage freeing torch's and
     # MLflow's modules and writes nothing: every output is already closed and renamed.
-    finish(0)
+    global finished
+    finished = 0
+    sys.exit(0)
+
+
+def in_warm_child() -> bool:
+    """Whether this process is a stage forked from a warm process (reprotrain/warm.py serve)."""
+    return len(sys.orig_argv) > 3 and Path(sys.orig_argv[-3]).name == "warm.py" \
+        and sys.orig_argv[-2] == "serve"
 
 
 def restat_stale_git_entries() -> None:

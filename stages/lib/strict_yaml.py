@@ -1,6 +1,6 @@
 """YAML read strictly, for files DVC hashes as text (params.yaml, a sweep file): plain
 containers, no interpolation, a bounded size. It knows no params schema: stages/config.py checks
-params.yaml's keys and values, stages/sweep/spec.py a sweep file's.
+params.yaml's keys and values, reprotrain/sweep/spec.py a sweep file's.
 
 OmegaConf reads the YAML (PyYAML would read `1e-3` as a string); a syntax error or a duplicate
 key names the line, and a file or an alias bomb too large for any params file is refused before

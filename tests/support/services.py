@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.lib.ports import free_port  # noqa: F401 - the tests import it from here
+from reprotrain.ports import free_port  # noqa: F401 - the tests import it from here
 
 
 def postgres_bin() -> Path | None:
@@ -83,7 +83,7 @@ def create_database(uri: str, name: str, schema: bool = True) -> str:
     template = "mlflow_schema"
     if schema and uri not in _templates:
         create_database(uri, template, schema=False)
-        from stages.team.server import apply_admin_password, upgrade
+        from reprotrain.team.server import apply_admin_password, upgrade
 
         upgrade(f"{uri}/{template}")
         apply_admin_password(f"{uri}/{template}", "admin", "")  # no admin yet: only the tables
@@ -114,7 +114,7 @@ class MlflowServer:
     uri: str
     user: str
     password: str
-    log: Path  # what `python -m stages.team.server` printed; the server's own log is in its tempdir
+    log: Path  # what `python -m reprotrain.team.server` printed; the server's own log is in its tempdir
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """A client's environment (tests.conftest.env_with) pointed at this server, logged in."""
@@ -135,7 +135,7 @@ def server_env(user: str, password: str) -> dict[str, str]:
 @contextmanager
 def mlflow_server(db: str, folder: Path, timeout: float = 240, artifacts: str = "",
                   env: dict[str, str] | None = None) -> Iterator[MlflowServer]:
-    """The team server, started as a user does (`python -m stages.team.server`, logins on) on a free
+    """The team server, started as a user does (`python -m reprotrain.team.server`, logins on) on a free
     loopback port against `db`, artifacts in `folder` (or at `artifacts`, an s3:// URI whose
     endpoint and keys are in `env`, the server's alone); stopped with SIGTERM, as systemd does."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,7 @@ def mlflow_server(db: str, folder: Path, timeout: float = 240, artifacts: str = 
     log = folder / "server.out"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stages.team.server", "--db", db,
+            [sys.executable, "-m", "reprotrain.team.server", "--db", db,
              "--artifacts", artifacts or folder / "artifacts", "--port", str(port), "--workers", "1"],
             cwd=Path(__file__).resolve().parents[2], env=server_env(user, password) | (env or {}),
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -172,7 +172,7 @@ def create_and_log(uri: str, user: str, password: str, name: str, barrier) -> tu
                       MLFLOW_TRACKING_PASSWORD=password)
     import mlflow  # noqa: F401 - imported before the barrier: both reach the server together
 
-    from stages import tracking
+    from reprotrain import tracking
     from stages.config import MlflowConfig
 
     barrier.wait()
@@ -265,7 +265,7 @@ def s3_client_env(tmp: Path, **extra: str) -> dict[str, str]:
 def s3(tmp_path_factory):
     """A real S3 server (SeaweedFS, `make s3`'s) for the test session, on loopback, with two
     buckets: `team-dvc` for DVC remotes and `team-mlflow` for MLflow's artifacts."""
-    from stages.team.s3 import start, stop
+    from reprotrain.team.s3 import start, stop
 
     server = start(tmp_path_factory.mktemp("s3"), 0, ("team-dvc", "team-mlflow"))
     try:

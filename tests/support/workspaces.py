@@ -7,8 +7,8 @@ import signal
 import sys
 import time
 
+from reprotrain.ports import free_port as closed_port  # noqa: F401 - nothing listens there
 from stages.data import save_prepared
-from stages.lib.ports import free_port as closed_port  # noqa: F401 - nothing listens there
 from tests.conftest import ROOT, copy_params, env_with, run, set_params
 
 
