@@ -181,7 +181,7 @@ bench-storage: setup ## DVC on a folder remote vs S3 on loopback: the pipeline's
 bench-data: setup ## shards at 10k to 1M JPEGs: generate, prepare, push/pull, stream vs ImageFolder vs tensors; SIZES=10000,100000
 	$(PY) -m reprotrain.bench.data $(if $(SIZES),--sizes $(SIZES))
 
-# The CUDA path's checks (tests/test_gpu.py, which skip without CUDA) and the GPU bench rows, in
+# The CUDA path's checks (tests/experiment/test_gpu.py, which skip without CUDA) and the GPU bench rows, in
 # one run for a lent GPU machine: within 8 minutes (each step has its own limit, `timeout` the
 # whole), results in gpu-check/ even on failure, gpu-check/summary.md one screen.
 # GPU_CHECK_DRY=1 runs the steps on the CPU at tiny sizes. Its python may come with the

@@ -10,7 +10,7 @@ pipeline's second stage does, a lone command never pays for a warm process it wo
 that finds it still importing waits for it (wait_for_start). The caller waits, forwards its
 signals (Ctrl-C, SIGTERM, Ctrl-Z) to the child, and ends with the child's status; a caller
 killed with SIGKILL takes the child with it. A stage runs the same code either
-way, and writes the same bytes (tests/test_warm.py).
+way, and writes the same bytes (tests/platform/test_warm.py).
 
 Only libraries are imported ahead, never this project's code: a child imports `stages` from
 the caller's checkout, so an edited stage runs as edited. A warm process serves only callers

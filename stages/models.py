@@ -2,7 +2,7 @@
 
 A new model is a builder here and its entry in `ARCHS`; `model.arch: <name>` in params.yaml
 picks it. Nothing else lists the models: config reads the names from this file's source, so
-`ARCHS` stays a dict written out with string keys. tests/test_contracts.py checks every entry
+`ARCHS` stays a dict written out with string keys. tests/experiment/test_contracts.py checks every entry
 against this contract (all but `torch.compile`):
 
 - Builder: `(cfg: ModelConfig, channels: int, num_classes: int, image_size: int) -> nn.Module`,

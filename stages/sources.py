@@ -2,7 +2,7 @@
 
 A new source is a function here and its entry in `SOURCES`; `data.source: <name>` in
 params.yaml picks it. Nothing else lists the sources: config reads the names from this file's
-source, so `SOURCES` stays a dict written out with string keys. tests/test_contracts.py checks
+source, so `SOURCES` stays a dict written out with string keys. tests/experiment/test_contracts.py checks
 every entry against this contract (a source that needs files it cannot write offline adds a
 writer of small ones there):
 

@@ -37,6 +37,17 @@ def test_the_experiment_is_small_and_mostly_what_a_fork_edits():
     assert 4 * n["of which the five a fork edits"] >= n["all of stages/"], n
 
 
+def test_the_experiments_tests_start_no_service():
+    """tests/experiment/ runs without the platform's services (PostgreSQL, an MLflow server, S3,
+    SLURM: the fixtures of tests/support/services.py and slurm_cluster.py); tests/platform/
+    starts them."""
+    for path in sorted((ROOT / "tests/experiment").glob("test_*.py")):
+        used = {a.name for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.module in (
+                    "tests.support.services", "tests.support.slurm_cluster") for a in node.names}
+        assert used <= {"free_port"}, (path.name, used)
+
+
 def test_readme_is_a_how_to_of_at_most_250_lines():
     """Measurements and the long forms live in docs/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
@@ -64,9 +75,9 @@ def test_the_code_maps_picture_draws_from_this_checkout(tmp_path):
 
 
 def test_no_module_of_stages_imports_the_tests():
-    """stages/ is the shipped package: tests/ is not installed beside it."""
+    """stages/ and reprotrain/ are the shipped packages: tests/ is not installed beside them."""
     found = []
-    for path in sorted((ROOT / "stages").rglob("*.py")):
+    for path in sorted([*(ROOT / "stages").rglob("*.py"), *(ROOT / "reprotrain").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
@@ -110,14 +121,15 @@ def test_every_test_the_docs_name_exists():
     """docs/guarantees.md and docs/code-map.md name the test that keeps each promise
     (`test_x.py::test_y`, or `::test_z` for another of the same file): a renamed or deleted
     test would leave a row that nothing keeps."""
+    where = {p.name: p for p in (ROOT / "tests").rglob("test_*.py")}  # names are unique
     for doc in ("docs/guarantees.md", "docs/code-map.md"):
         named, file = 0, None
         for ref in re.findall(r"`((?:test_\w+\.py)?(?:::\w+)?)`", (ROOT / doc).read_text()):
             head, _, name = ref.partition("::")
             file = head or file
-            assert (ROOT / "tests" / file).exists(), f"{doc}: no tests/{file}"
+            assert file in where, f"{doc}: no tests/**/{file}"
             if name:
-                tree = ast.parse((ROOT / "tests" / file).read_text())
+                tree = ast.parse(where[file].read_text())
                 assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, \
                     f"{doc}: no {name} in tests/{file}"
                 named += 1

@@ -1,10 +1,10 @@
 """python -m reprotrain.bench.gpu_check (`make gpu-check`): what only a GPU can show, in one run that
-fits a short loan: tests/test_gpu.py, then the bench rows, each step under a time limit of its
+fits a short loan: tests/experiment/test_gpu.py, then the bench rows, each step under a time limit of its
 own, everything in one folder (gpu-check/) even when a step fails, and summary.md, one screen:
 the tests passed and failed, and a table labelled with the GPU's name.
 
 GPU_CHECK_DRY=1 runs the same steps on the CPU at tiny sizes (the streamed decode's CPU tests in
-place of tests/test_gpu.py), to show the run is whole and what its steps cost."""
+place of tests/experiment/test_gpu.py), to show the run is whole and what its steps cost."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ BF16_PEAK = {"H200": 989, "H100 PCIe": 756, "H100": 989, "B200": 2250, "A100": 3
              "L40S": 362, "L4": 121, "A10G": 70, "A10": 125, "RTX 4090": 165}
 # The whole run must fit 8 minutes: the tests' share, then the bench's.
 TESTS_S, BENCH_S = 300, 150
-CPU_TESTS = ["tests/test_cuda_path.py", "-k", "refuses_is_cropped or progressive_jpegs"]
+CPU_TESTS = ["tests/experiment/test_cuda_path.py", "-k", "refuses_is_cropped or progressive_jpegs"]
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def step(out: Path, name: str, cmd: list[str], limit_s: int) -> dict:
 def tests(out: Path, dry: bool) -> dict:
     junit = out / "junit.xml"
     junit.unlink(missing_ok=True)
-    target = CPU_TESTS if dry else ["tests/test_gpu.py"]
+    target = CPU_TESTS if dry else ["tests/experiment/test_gpu.py"]
     done = step(out, "tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
                                "-rs", f"--junitxml={junit}", *target], TESTS_S)
     done["cases"] = []

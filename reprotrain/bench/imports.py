@@ -3,7 +3,7 @@ imports which, in layers, drawn as a picture.
 
     python -m reprotrain.bench.imports [--rev REV] [--out imports.png]
 
-dvc.yaml's deps come from it (tests/test_dvc_yaml.py), and docs/code-map.md shows its pictures.
+dvc.yaml's deps come from it (tests/experiment/test_dvc_yaml.py), and docs/code-map.md shows its pictures.
 Imports inside functions count: they run as surely as the ones at the top. A package's
 `__init__` counts only where it is imported by name (importing stages.lib.files runs
 stages/lib/__init__.py, a docstring, which decides nothing). It sees imports only:

@@ -3,7 +3,7 @@ rendezvous) running docs/multinode.md's "Several machines" command, one CPU proc
 workspaces like a clone after `dvc pull`; on loopback, or in two network namespaces joined by a
 veth pair (HEAD and OTHER), each mapping its hostname to 127.0.1.1 as Debian does.
 
-Shared by tests/test_multinode.py and the figures of `python -m reprotrain.bench.multinode`. Runs in
+Shared by tests/platform/test_multinode.py and the figures of `python -m reprotrain.bench.multinode`. Runs in
 a checkout (it reads docs/multinode.md and the committed params.yaml); network namespaces need
 root and iproute2's `ip`.
 """

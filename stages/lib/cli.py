@@ -2,7 +2,7 @@
 pipeline bench, and argparse helpers.
 
 Nothing here writes or changes an output, so no stage lists this module in dvc.yaml: editing
-an error message or a CLI helper reruns nothing (tests/test_dvc_yaml.py keeps it that way).
+an error message or a CLI helper reruns nothing (tests/experiment/test_dvc_yaml.py keeps it that way).
 """
 
 from __future__ import annotations

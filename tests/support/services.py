@@ -77,7 +77,7 @@ def create_database(uri: str, name: str, schema: bool = True) -> str:
     """A new database on the cluster; returns its URI. With MLflow's and basic-auth's tables
     already (`schema`), copied from a template the team server's own upgrade made once per
     cluster: a first start on an empty database runs the migrations, 14 s of the suite's time
-    per server. schema=False gives an empty one (tests/test_server.py's server starts on it)."""
+    per server. schema=False gives an empty one (tests/platform/test_server.py's server starts on it)."""
     import psycopg
 
     template = "mlflow_schema"
@@ -164,7 +164,7 @@ def mlflow_server(db: str, folder: Path, timeout: float = 240, artifacts: str = 
 
 
 def create_and_log(uri: str, user: str, password: str, name: str, barrier) -> tuple:
-    """In a fresh process (tests/test_server.py's race): once `barrier` lets every process go,
+    """In a fresh process (tests/platform/test_server.py's race): once `barrier` lets every process go,
     open a run in experiment `name`, creating it; the run's id and MLflow's warnings."""
     import warnings
 

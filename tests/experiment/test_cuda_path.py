@@ -1,6 +1,6 @@
 """The CUDA path's findings, each shown on the CPU where its mechanism exists here:
 GradScaler and fused optimizers run on the CPU, DDP runs between gloo processes. What only a GPU
-can show is in tests/test_gpu.py (`make gpu-check`)."""
+can show is in tests/experiment/test_gpu.py (`make gpu-check`)."""
 
 from __future__ import annotations
 

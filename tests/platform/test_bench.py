@@ -39,7 +39,7 @@ def test_quick_bench_runs_every_row_and_writes_its_outputs(tmp_path):
 def test_bench_on_the_prepared_split_puts_a_plain_loop_beside_the_repos(tmp_path):
     """Issue 57: the time of an epoch on a real dataset, the repo's loop against a textbook one
     on the same model and data. Here a small Fashion-MNIST, prepared as the train stage has it."""
-    from tests.test_byod import _gzipped_fashion, prepare
+    from tests.experiment.test_byod import _gzipped_fashion, prepare
 
     _gzipped_fashion(tmp_path / "fashion/FashionMNIST/raw")
     prepare(tmp_path, **{"data.source": "fashion_mnist", "data.root": str(tmp_path / "fashion"),

@@ -18,8 +18,8 @@ from tests.conftest import ROOT, copy_repo, env_with, run
 # The platform never decides an output: tracking logs to MLflow and writes only side files that
 # no stage reads back as an input, the sweep's trial hook only stops a pruned trial, serving logs
 # the served model to MLflow, the warm process runs a stage as a fresh process would
-# (tests/test_warm.py). Editing it reruns no stage (dvc.yaml says why, and
-# tests/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
+# (tests/platform/test_warm.py). Editing it reruns no stage (dvc.yaml says why, and
+# tests/platform/test_team_code_decides_no_output.py proves the outputs the same bytes with every store).
 TEAM = ("reprotrain",)
 # Modules of the experiment that change no output either: stages/__init__.py (the hand-off to
 # the warm process), stages/lib/cli.py (exit codes, one-line errors, argparse helpers),

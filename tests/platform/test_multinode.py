@@ -59,7 +59,7 @@ def in_netns(ns: str, code: str) -> str:
                env=env_with(PYTHONPATH=str(ROOT))).stdout.strip()
 
 
-TOLERANCE = 0.03  # validation accuracy, as tests/test_distributed.py holds two processes to
+TOLERANCE = 0.03  # validation accuracy, as tests/experiment/test_distributed.py holds two processes to
 
 
 def test_two_agents_on_loopback_train_like_one_process(digits, tmp_path, mlflow_uri, one_process):

@@ -105,7 +105,7 @@ def test_tracking_outage_never_stops_training(tmp_path, digits, mlflow_uri):
     assert time.perf_counter() - t < 120
     assert p.stderr.count("is unreachable") == 1, p.stderr  # one warning, not one per metric
     assert json.loads((b / "models/train/metrics.json").read_text())["epochs_run"] == 3
-    # Kept in the local spool for `make sync` (tests/test_sync.py replays it).
+    # Kept in the local spool for `make sync` (tests/platform/test_sync.py replays it).
     assert ".mlflow-spool" in json.loads((b / "models/train/run.json").read_text())["tracking_uri"]
     wa = torch.load(a / "models/train/model.pt", weights_only=True)["model"]
     wb = torch.load(b / "models/train/model.pt", weights_only=True)["model"]

@@ -157,7 +157,7 @@ def test_a_sweep_never_shows_or_tags_its_storages_password(tmp_path, postgres): 
     import mlflow
 
     from tests.conftest import run
-    from tests.test_sweep import TINY, project
+    from tests.platform.test_sweep import TINY, project
 
     repo = project(tmp_path, TINY)
     env = env_with()

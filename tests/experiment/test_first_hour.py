@@ -34,7 +34,7 @@ def test_the_suite_ignores_the_experiment_in_progress(tmp_path):
     set_params(clone / "params.yaml", {"lr": "0.01", "epochs": "7"})
     (clone / "models/eval/metrics.json").write_text('{"accuracy": 0.5}\n')
     p = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-             "tests/test_config.py", "-k", "defaults_agree or whole_schema"], clone, check=False)
+             "tests/experiment/test_config.py", "-k", "defaults_agree or whole_schema"], clone, check=False)
     assert p.returncode == 0, p.stdout[-2000:]
     assert "2 passed" in p.stdout
     copied = run([sys.executable, "-c", "import sys; from pathlib import Path; "

@@ -307,7 +307,7 @@ def test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other(
     shutil.copytree(ROOT / "tests", repo / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     nested = uuid.uuid4().hex
     (repo / "tests/test_starts_one.py").write_text(
-        "from tests.conftest import ROOT, env_with\nfrom tests.test_warm import warmed\n\n\n"
+        "from tests.conftest import ROOT, env_with\nfrom tests.platform.test_warm import warmed\n\n\n"
         f"def test_starts_one():\n    warmed(ROOT, env_with(WARM_TEST_RUN='{nested}'))\n")
     started = socket_of(repo, env_with(WARM_TEST_RUN=nested))
     users = {k: v for k, v in env_with(WARM_TEST_RUN=uuid.uuid4().hex).items()

@@ -317,7 +317,7 @@ def test_the_gpu_decoders_batches_are_the_workers_crops(both):
     """What the CUDA path does (EncodedStream, then decoded_batch), run here on the CPU with
     torchvision's CPU decoder (libjpeg-turbo, as Pillow): the same crop boxes, the other formats
     decoded in the workers as before, the JPEGs within a level of Pillow's bicubic on
-    average (the batched resize is Pillow's, in floating point). tests/test_gpu.py
+    average (the batched resize is Pillow's, in floating point). tests/experiment/test_gpu.py
     runs it with nvJPEG."""
     from torchvision.io import ImageReadMode, decode_jpeg
 

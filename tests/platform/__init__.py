@@ -1,0 +1,1 @@
+"""The platform's tests: reprotrain/ against the real services each test starts itself."""
