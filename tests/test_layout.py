@@ -143,3 +143,18 @@ def test_every_code_block_of_the_docs_is_closed():
         fences = [n for n, line in enumerate(doc.read_text().splitlines(), 1)
                   if line.lstrip().startswith("```")]
         assert len(fences) % 2 == 0, f"{doc.name}: a code block opened at line {fences[-1]} never ends"
+
+
+def test_no_function_of_the_shipped_code_is_over_80_lines():
+    """A function is read on one screen and a half at most (issue 58): its physical lines from
+    `def` to its last, decorators left out, under stages/ and the platform's reprotrain/ (where
+    it exists). A longer one splits into named helpers."""
+    long = []
+    for folder in (ROOT / name for name in ("stages", "reprotrain")):
+        for path in sorted(folder.rglob("*.py")) if folder.is_dir() else []:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        node.end_lineno - node.lineno + 1 > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -246,17 +246,8 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
     (folder / "logs").mkdir(mode=0o700, exist_ok=True)
     key, secret = identities(folder)
     ns = namespaces()
-    listener = None
-    if ns:  # S3's socket on the host, bound here, for RELAY
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's own did
-        try:
-            listener.bind(("127.0.0.1", port))
-        except OSError as e:
-            listener.close()
-            raise UserError(f"cannot serve S3 on 127.0.0.1:{port}: {e.strerror}; choose another "
-                            "port (`make s3 S3_PORT=...`, or --port)") from None
-        listener.listen(128)
+    listener = s3_listener(port) if ns else None  # S3's socket on the host, for RELAY
+    if listener:
         port = listener.getsockname()[1]
     # S3's own gRPC port too: weed's default, the S3 port + 10000, is past 65535 for a quarter
     # of the ports the kernel hands out, and weed then exits at start.
@@ -301,22 +292,44 @@ def start(folder: Path, port: int = 0, buckets: tuple[str, ...] = ("reprotrain",
             secret_key=secret, buckets=buckets, proc=proc, folder=folder, tmp=tmp, ca=ca,
             lifeline=lifeline)
     try:
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                said = (folder / "logs" / "weed.out").read_text(errors="replace").strip()
-                raise UserError(f"the S3 server stopped at start (exit {proc.returncode}: "
-                                f"{said.splitlines()[-1][-300:] if said else 'no output'}); see "
-                                f"{folder / 'logs' / 'weed.out'}")
-            time.sleep(0.3)
-            if answers(s3):
-                return s3
-        raise UserError(f"the S3 server did not answer on {s3.endpoint} within {START_S:.0f} s; "
-                        f"see {folder / 'logs' / 'weed.out'}")
+        wait_until_it_answers(s3)
     except BaseException:
         # Also Ctrl-C or SIGTERM while it starts: in a session of its own, weed outlived them.
         stop(s3)
         raise
+    return s3
+
+
+def s3_listener(port: int) -> socket.socket:
+    """S3's socket on the host's 127.0.0.1:`port` (a free one if 0), bound and listening, for
+    RELAY to accept on from weed's network namespace."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as weed's own did
+    try:
+        listener.bind(("127.0.0.1", port))
+    except OSError as e:
+        listener.close()
+        raise UserError(f"cannot serve S3 on 127.0.0.1:{port}: {e.strerror}; choose another "
+                        "port (`make s3 S3_PORT=...`, or --port)") from None
+    listener.listen(128)
+    return listener
+
+
+def wait_until_it_answers(s3: S3) -> None:
+    """Until `answers(s3)`, for up to START_S; a UserError naming its log if weed exits first or
+    never answers."""
+    log = s3.folder / "logs" / "weed.out"
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline:
+        if s3.proc.poll() is not None:
+            said = log.read_text(errors="replace").strip()
+            raise UserError(f"the S3 server stopped at start (exit {s3.proc.returncode}: "
+                            f"{said.splitlines()[-1][-300:] if said else 'no output'}); see {log}")
+        time.sleep(0.3)
+        if answers(s3):
+            return
+    raise UserError(f"the S3 server did not answer on {s3.endpoint} within {START_S:.0f} s; "
+                    f"see {log}")
 
 
 def answers(s3: S3) -> bool:
