@@ -22,10 +22,11 @@ keys, SLURM's). Any difference starts another. It exits after IDLE_S seconds wit
 or once the checkout it runs from is gone. `REPROTRAIN_WARM=0` turns it off; distributed workers
 (torchrun's) and a caller under `chrt -R` always run cold.
 
-Standard library only, and run as a script (`python warm.py serve ...`, its folder taken off
-sys.path at once), so that the warm process holds no module of the checkout that happened to
-start it. Not with `python -P`: a child would inherit sys.flags.safe_path, and pass -P on to the
-Python processes it starts (multiprocessing, torch's compile workers), as a fresh stage does not.
+Standard library only (and filelock, for its lock), and run as a script (`python warm.py serve
+...`, its folder taken off sys.path at once), so that the warm process holds no module of the
+checkout that happened to start it. Not with `python -P`: a child would inherit
+sys.flags.safe_path, and pass -P on to the Python processes it starts (multiprocessing, torch's
+compile workers), as a fresh stage does not.
 """
 
 from __future__ import annotations
@@ -380,12 +381,15 @@ def start(path: Path) -> None:
 
 def serve(path: Path) -> None:
     """Import the libraries, then fork a child per caller until IDLE_S pass without one."""
-    import fcntl
+    from filelock import FileLock, Timeout
 
-    lock = os.open(path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    # Held until this process exits. A child forked below holds none of it: filelock's at-fork
+    # hook closes the lock's descriptor in the child (tests/test_warm.py checks it), which a stage
+    # that outlived this process would otherwise keep locked, and no second one could start.
+    lock = FileLock(path.with_suffix(".lock"), mode=0o600)  # opened O_NOFOLLOW, as flock
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        lock.acquire(blocking=False)
+    except Timeout:
         return  # another caller started one first
     started, owner = time.monotonic(), os.getpid()
     set_name("reprotrain-warm")
@@ -432,7 +436,7 @@ def serve(path: Path) -> None:
             if os.fork() == 0:
                 signal.set_wakeup_fd(-1)
                 server.close()
-                for fd in (lock, wake, woken):
+                for fd in (wake, woken):  # the lock's: closed by filelock as it forked
                     os.close(fd)
                 for sig in (signal.SIGCHLD, signal.SIGTERM):
                     signal.signal(sig, signal.SIG_DFL)

@@ -69,15 +69,11 @@ def store_lock(uri: str) -> Iterator[None]:
     if (db := sqlite_file(uri)) is None:
         yield
         return
-    import fcntl
+    from filelock import FileLock
 
     db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with FileLock(db.with_name(db.name + ".lock")):  # flock, waiting as long as it takes
+        yield
 
 
 def spool_file() -> Path:

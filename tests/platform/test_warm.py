@@ -3,6 +3,7 @@ caller's folder, writes the bytes a cold stage writes, and goes when its caller 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -220,12 +221,21 @@ for name in PRELOAD:  # a cold process imports what the warm one has: both then 
     importlib.import_module(name)
 import torch
 torch.compiler.reset()  # what AdamW's first step does: TORCHINDUCTOR_CACHE_DIR from the TMPDIR
+def opened():
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # listdir's own, closed
+            pass
+    return found
 print("probe:" + json.dumps({
     "env": {k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "KMP_"))},
     "seed": torch.initial_seed(), "rand": torch.rand(1).item(), "safe_path": sys.flags.safe_path,
     "comm": open("/proc/self/comm").read().strip(), "warm": in_warm_child(),
     "authkey": multiprocessing.current_process().authkey.hex(),
-    "policy": os.sched_getscheduler(0), "ionice": os.popen(f"ionice -p {os.getpid()}").read()}))
+    "policy": os.sched_getscheduler(0), "ionice": os.popen(f"ionice -p {os.getpid()}").read(),
+    "opened": opened()}))
 '''
 
 
@@ -321,6 +331,27 @@ def test_a_test_session_stops_the_warm_processes_its_tests_started_and_no_other(
         time.sleep(0.2)
     assert serving(own)  # the user's own warm process serves on
     os.kill(int(own.with_suffix(".pid").read_text()), signal.SIGTERM)
+
+
+def test_a_warm_process_holds_its_lock_alone_and_a_second_leaves_at_once(probe_repo):
+    # One warm process per key: its lock (filelock's flock, taken without waiting). A stage forked
+    # from it must not hold the lock's descriptor (filelock's at-fork hook closes it in the
+    # child; serve once closed it itself): a stage that outlived its warm process would keep the
+    # key locked, and no other warm process could start for it until that stage ended.
+    repo, env = probe_repo
+    sock = warmed(repo, env)
+    lock, pid = os.path.realpath(sock.with_suffix(".lock")), int(sock.with_suffix(".pid").read_text())
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(fd))
+    assert lock in held
+    stage = probe(repo, env)
+    assert stage["warm"] and lock not in stage["opened"], stage["opened"]
+    second = subprocess.run([sys.executable, warm.__file__, "serve", str(sock)], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0 and second.stdout == "", second
+    assert serving(sock) and int(sock.with_suffix(".pid").read_text()) == pid
 
 
 def test_a_warm_stage_shows_its_own_name(probe_repo):
