@@ -66,7 +66,8 @@ PRELOAD = ("numpy", "torch", "omegaconf", "torch.export", "torch.onnx",
            "safetensors.torch")
 # And one cache: MLflow's map of installed packages, which export's `log_model` reads (every
 # package's file list: 0.5-2 s) to check the served model's requirements. It depends only on
-# the installed packages, which are part of the key. Private to MLflow: skipped if it moved.
+# the installed packages, which are part of the key. Private to MLflow (no public way to fill
+# it): skipped if it moved; tests/test_private_names.py pins it.
 PREWARM = (("mlflow.utils.requirements_utils", "_init_packages_to_modules_map"),)
 IDLE_S = 300.0
 # How long a stage waits for a warm process still importing before it imports for itself: a

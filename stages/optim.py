@@ -63,8 +63,12 @@ class EMA:
         # Counters (num_batches_tracked) are copied, never averaged.
         copied = pairs if self.updates == 0 else [(a, m) for a, m in pairs if not a.is_floating_point()]
         if floats and self.updates > 0:
+            # torch._foreach_lerp_ and _foreach_copy_ are private (torch has no public foreach
+            # ops): one call updates every tensor (multi-tensor kernels on CUDA), not a Python
+            # loop of small ops; tests/test_private_names.py pins both.
             torch._foreach_lerp_([a for a, _ in floats], [m for _, m in floats], 1 - self.decay)
         if copied:
+            # Private, as _foreach_lerp_ above.
             torch._foreach_copy_([a for a, _ in copied], [m for _, m in copied])
         self.updates += 1
 

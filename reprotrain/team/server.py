@@ -145,6 +145,8 @@ def schema_current(db: str) -> bool:
     """Whether the database already has this MLflow's schema (every start after the first):
     `mlflow db upgrade` would then cost a process that imports MLflow (about 4 s) to do nothing.
     Anything but a clear yes (no tables yet, an unreachable database) is left to it."""
+    # Private to MLflow (no public way to read a database's schema revision short of `mlflow db
+    # upgrade`); tests/test_private_names.py pins both.
     from mlflow.store.db.utils import _get_latest_schema_revision, _get_schema_version
     from sqlalchemy import create_engine
 

@@ -146,6 +146,8 @@ def damage(db: Path) -> str | None:
 
 
 def _schema_head() -> str:
+    # Private to MLflow (no public name for this MLflow's schema revision); pinned by
+    # tests/test_private_names.py.
     from mlflow.store.db.utils import _get_latest_schema_revision
 
     return _get_latest_schema_revision()
