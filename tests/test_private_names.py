@@ -78,12 +78,12 @@ def test_torchs_foreach_copy_copies_each_tensor_in_place():
 
 
 def test_mlflows_package_map_the_warm_process_fills_ahead_exists():
-    # stages/lib/warm.py PREWARM: mlflow.utils.requirements_utils._init_packages_to_modules_map,
+    # reprotrain/warm.py PREWARM: mlflow.utils.requirements_utils._init_packages_to_modules_map,
     # called once in the warm process so that export's `log_model` finds the map made. Moved,
     # the warm process skips it and export pays its 0.5-2 s again, silently.
     import mlflow
 
-    from stages.lib.warm import PREWARM
+    from reprotrain.warm import PREWARM
 
     assert mlflow.__version__ == "3.17.2", \
         "checked on MLflow 3.17.2: recheck _init_packages_to_modules_map in warm.PREWARM"
@@ -95,7 +95,7 @@ def test_mlflows_package_map_the_warm_process_fills_ahead_exists():
 
 
 def test_mlflows_latest_schema_revision_is_a_revision_id():
-    # stages/team/server.py schema_current and stages/tracking/sync.py _schema_head:
+    # reprotrain/team/server.py schema_current and reprotrain/tracking/sync.py _schema_head:
     # mlflow.store.db.utils._get_latest_schema_revision, this MLflow's schema head.
     import mlflow
     from mlflow.store.db.utils import _get_latest_schema_revision
@@ -106,7 +106,7 @@ def test_mlflows_latest_schema_revision_is_a_revision_id():
 
 
 def test_mlflows_schema_version_reads_a_stores_revision(mlflow_uri):
-    # stages/team/server.py schema_current: mlflow.store.db.utils._get_schema_version(engine),
+    # reprotrain/team/server.py schema_current: mlflow.store.db.utils._get_schema_version(engine),
     # equal to the head on a store this MLflow made, so `make server` skips `mlflow db upgrade`.
     import mlflow
     from mlflow.store.db.utils import _get_latest_schema_revision, _get_schema_version
