@@ -152,12 +152,22 @@ def lines(rev: str | None = None) -> dict[str, int]:
     def of_platform(f: str) -> bool:
         return platform(module_name(f))
 
-    parts = {"experiment (stages/ less the platform)": lambda f: f.startswith("stages/")
-             and not of_platform(f),
+    def package(name: str):  # the platform's packages, wherever they are
+        return lambda f: f.startswith((f"stages/{name}/", f"reprotrain/{name}/"))
+
+    parts = {"top of stages/ (`stages/*.py`)": lambda f: f.count("/") == 1 and
+             f.startswith("stages/"),
              "of which the five a fork edits": lambda f: f in FORK_EDITS,
-             "platform (reprotrain/, or its modules in stages/)": lambda f:
-             f.endswith(".py") and not f.startswith("tests/") and of_platform(f),
+             "stages/lib/": lambda f: f.startswith("stages/lib/"),
+             **{f"{name}/": package(name) for name in
+                ("bench", "tracking", "sweep", "team", "serving")},
+             "top of reprotrain/ (`reprotrain/*.py`)": lambda f: f.count("/") == 1 and
+             f.startswith("reprotrain/"),
              "all of stages/": lambda f: f.startswith("stages/"),
+             "the experiment (stages/ less the platform)": lambda f: f.startswith("stages/")
+             and not of_platform(f),
+             "the platform (reprotrain/, or its modules in stages/)": lambda f:
+             not f.startswith("tests/") and of_platform(f),
              "tests": lambda f: f.startswith("tests/")}
     return {name: sum(n for f, n in count.items() if test(f)) for name, test in parts.items()}
 
