@@ -15,8 +15,10 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-# --no-deps: nothing but the lock, every file checked against its hashes. The project itself is
-# not installed: stages run from the checkout (`python -m stages.x`).
+# --no-deps: nothing but the lock, every file checked against its hashes. Then the project's two
+# packages, the platform (reprotrain/) and the experiment (stages/), as pyproject.toml declares
+# them: editable, so the checkout's code is what runs, and a command run in another clone (DVC's
+# `python -m stages.x` in its folder) imports that clone's own.
 # The interpreter that makes .venv, found on the PATH before .venv's bin (PYTHON=python3.12 picks
 # another). A .venv without the stamp is made again unless its python is >= 3.11: a wrong
 # Python's .venv (its pip fails on the lock) is never reused.
@@ -34,6 +36,8 @@ $(STAMP): requirements.lock
 	@# count at the end (reprotrain/pip_progress.py: standard library, runs before anything is installed).
 	@$(PY) -m pip install --progress-bar off --require-hashes --no-deps -r requirements.lock 2>&1 \
 		| $(PY) -m reprotrain.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
+	$(if $(wildcard pyproject.toml),$(PY) -m pip install --quiet --no-deps --no-build-isolation \
+		--no-index --editable .)
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)

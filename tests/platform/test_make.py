@@ -305,9 +305,9 @@ def test_make_refuses_a_wrong_python_and_never_reuses_its_venv(tmp_path):
     work.mkdir()
     bin_dir.mkdir()
     shutil.copy(ROOT / "Makefile", work)
-    (work / "stages/lib").mkdir(parents=True)  # what `make setup` runs from the checkout: pip's narrator
-    for name in ("__init__.py", "lib/__init__.py", "lib/pip_progress.py"):
-        shutil.copy(ROOT / "stages" / name, work / "stages" / name)
+    (work / "reprotrain").mkdir()  # what `make setup` runs from the checkout: pip's narrator
+    for name in ("__init__.py", "pip_progress.py"):
+        shutil.copy(ROOT / "reprotrain" / name, work / "reprotrain" / name)
     (work / "requirements.lock").write_text("# nothing to install\n")
     fake = bin_dir / "python3"
     fake.write_text('#!/bin/sh\necho "Python 3.7.17"\n')
