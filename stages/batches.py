@@ -20,8 +20,7 @@ from torch import Tensor
 
 from stages.config import TrainConfig, batch_share
 from stages.data import BATCH_TIMEOUT_S, Split, from_workers, resolve_workers
-from stages.lib.errors import UserError
-from stages.lib.shards import ShardImages, decoded_batch, nvjpeg, resized_crops
+from stages.lib.shards import decoded_batch, nvjpeg, resized_crops
 
 # A random-resized crop's (area, aspect ratio) ranges: train.augment_crop_scale and _ratio.
 Crop = tuple[tuple[float, float], tuple[float, float]]
@@ -55,25 +54,11 @@ def windows(batches: Iterator, plan: BatchPlan) -> Iterator[list]:
         yield list(itertools.islice(batches, plan.accumulate))
 
 
-def resolve_loader(cfg: TrainConfig, splits: list[Split]) -> str:
-    sharded = isinstance(splits[0].x, ShardImages)
-    if cfg.loader == "auto":
-        if sharded:
-            return "stream"
-        size_mb = sum(s.x.numel() * s.x.element_size() for s in splits) / 2**20
-        return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
-    if sharded != (cfg.loader == "stream"):
-        held, reads = ("shards", "tensors") if sharded else ("tensors", "shards")
-        raise UserError(f"params.yaml: train.loader={cfg.loader!r} reads {reads}, and "
-                        f"data/prepared/ holds {held} (data.format); use train.loader: auto")
-    return cfg.loader
-
-
 def device_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
                    shuffle: bool, rank: int, world: int) -> Batches:
     # The whole split lives on the device as uint8 (4x smaller than float): batches are
     # index_select calls, no per-sample Python, no host-to-device copy per step.
-    x_all, y_all = split.x.to(device), split.y.to(device)
+    x_all, y_all = split.x[:].to(device), split.y.to(device)
 
     def epoch_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         order = rank_order(len(split.y), seed, epoch, shuffle, rank, world).to(device)
@@ -92,11 +77,10 @@ def random_resized_crop(cfg: TrainConfig) -> Crop | None:
 
 def loader_batches(split: Split, plan: BatchPlan, device: torch.device, seed: int,
                    shuffle: bool, rank: int, world: int, num_workers: int | str,
-                   crop: Crop | None = None) -> Batches:
-    """`crop`: cut by a shards' worker (stages/lib/shards.py `cropped`); tensors get theirs in
-    `augment`."""
+                   crop: Crop | None = None, *, streamed: bool = False) -> Batches:
+    """train.loader: dataloader, or `streamed`, stream: a shards' workers decode its samples and
+    cut `crop` (stages/lib/shards.py `cropped`); tensors get theirs in `augment`."""
     workers = resolve_workers(num_workers)
-    streamed = isinstance(split.x, ShardImages)
     # On CUDA the GPU decodes the JPEGs (nvJPEG): workers only read them and draw their crops.
     on_gpu = streamed and device.type == "cuda"
     sampler = EpochSampler(len(split.y), seed, shuffle, rank, world, keyed=streamed)

@@ -1,20 +1,22 @@
 """The prepared data's format, shared by every stage: uint8 splits (N, C, H, W) with labels, and
 meta.json. Where it comes from is `sources.py` (the prepare stage); how training batches and
-augments it is `batches.py`."""
+augments it is `batches.py`; which loader reads it is `resolve_loader`."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from stages.config import TrainConfig
 from stages.lib import shards
 from stages.lib.errors import UserError
 from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
@@ -22,10 +24,22 @@ from stages.lib.files import atomic_write_all, json_text, text_writer, torch_wri
 SPLITS = ("train", "val", "test")
 
 
+@runtime_checkable
+class Images(Protocol):
+    """A split's images as every loader, validation, evaluate and export read them: uint8
+    (N, C, H, W); x[i], x[a:b] and x[indices] are those images as a tensor. A tensor is one;
+    shards.ShardImages another, which also decodes and crops a sample for train.loader: stream."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    def __len__(self) -> int: ...
+    def __getitem__(self, key: int | slice | Tensor) -> Tensor: ...
+
+
 @dataclass
 class Split:
-    x: Tensor  # uint8 (N, C, H, W), or shards.ShardImages indexed like one
+    x: Images
     y: Tensor  # int64 (N,)
+    format: str = "tensors"  # data.format as prepare wrote it: which loaders read x
 
 
 def save_prepared(out: Path, splits: dict[str, Split], meta: dict,
@@ -48,14 +62,13 @@ def load_meta(prepared: Path) -> dict:
 
 
 def load_split(prepared: Path, name: str) -> Split:
-    """A split as its tensors, or, when prepare wrote shards, its images read from them as
-    they are indexed (stages/lib/shards.py) with its labels."""
+    """A split as prepare wrote it (data.format): its tensors, or its shards read as indexed."""
     meta = load_meta(prepared)
     if shards.is_sharded(Path(prepared), name) and meta.get("format") == "shards":
         x = shards.ShardImages(Path(prepared) / name, meta["channels"], meta["image_size"],
                                meta["resize"])
-        y = checked_labels(x.labels(), len(meta["classes"]), x.folder / "index.npy")
-        return Split(x, y)  # type: ignore[arg-type]
+        return Split(x, checked_labels(x.labels(), len(meta["classes"]), x.folder / "index.npy"),
+                     "shards")
     path = Path(prepared) / f"{name}.pt"
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; run `dvc repro prepare` first")
@@ -82,6 +95,19 @@ def checked_labels(y: Tensor, classes: int, path: Path) -> Tensor:
     return y
 
 
+def resolve_loader(cfg: TrainConfig, splits: list[Split]) -> str:
+    """train.loader, `auto` resolved: stream for shards; device for tensors within the budget."""
+    sharded = splits[0].format == "shards"
+    if cfg.loader == "auto" and not sharded:
+        size_mb = sum(math.prod(s.x.shape) * s.x.dtype.itemsize for s in splits) / 2**20
+        return "device" if size_mb <= cfg.device_data_budget_mb else "dataloader"
+    if cfg.loader != "auto" and sharded != (cfg.loader == "stream"):
+        held, reads = ("shards", "tensors") if sharded else ("tensors", "shards")
+        raise UserError(f"params.yaml: train.loader={cfg.loader!r} reads {reads}, and "
+                        f"data/prepared/ holds {held} (data.format); use train.loader: auto")
+    return "stream" if sharded else cfg.loader
+
+
 def resolve_workers(num_workers: int | str, local_world: int | None = None) -> int:
     """A process's DataLoader workers; `auto` shares the node's cores among the `local_world`
     training processes on it (torchrun's LOCAL_WORLD_SIZE): 8 ranks would otherwise fork 8
@@ -93,13 +119,12 @@ def resolve_workers(num_workers: int | str, local_world: int | None = None) -> i
     return max(0, min(8, (os.cpu_count() or 1) // ranks - 1))
 
 
-def in_batches(split: Split, batch_size: int, workers: int = 0) -> Iterable[Tensor]:
-    """The split's images in order, `batch_size` at a time, on every pass over it. A sharded
-    split's are decoded by `workers` DataLoader processes, a batch each: validation and evaluate
-    of a large split would otherwise decode it on one core. They stay up between passes
-    (validation's, every epoch), not forked again each time."""
+def in_batches(split: Split, batch_size: int, cfg: TrainConfig) -> Iterable[Tensor]:
+    """The split's images in order, `batch_size` at a time, on every pass over it. A streamed
+    split's (train.loader) are decoded by train.num_workers DataLoader processes, a batch each,
+    kept up between passes: validation and evaluate would otherwise decode it on one core."""
     batches = _Batches(split.x, batch_size)
-    if workers == 0 or isinstance(split.x, Tensor):
+    if resolve_loader(cfg, [split]) != "stream" or not (workers := resolve_workers(cfg.num_workers)):
         return batches
     return WorkerBatches(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=workers,
                                                      persistent_workers=True,
@@ -145,7 +170,7 @@ class WorkerBatches:
 
 @dataclass
 class _Batches(torch.utils.data.Dataset):
-    x: Tensor | shards.ShardImages
+    x: Images
     size: int
 
     def __len__(self) -> int:

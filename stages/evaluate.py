@@ -8,7 +8,7 @@ import torch
 from reprotrain import tracking
 from stages import weights
 from stages.config import EVAL_DIR, PREPARED, TRAIN_DIR, flatten, load_params
-from stages.data import load_meta, load_split, resolve_workers
+from stages.data import in_batches, load_meta, load_split
 from stages.lib.cli import run_stage
 from stages.lib.files import atomic_write_all, json_text, text_writer
 from stages.report import (
@@ -29,10 +29,9 @@ def main() -> None:
 
     # fp32 on purpose: the reported accuracy is the model's, not a lower-precision copy's.
     device = resolve_device(params.train.device)
-    logits = predict(model.to(device), test, torch.tensor(trained.mean, device=device),
-                     torch.tensor(trained.std, device=device), device=device,
-                     batch_size=params.eval.batch_size,
-                     workers=resolve_workers(params.train.num_workers))
+    logits = predict(model.to(device), in_batches(test, params.eval.batch_size, params.train),
+                     torch.tensor(trained.mean, device=device),
+                     torch.tensor(trained.std, device=device), device=device)
     pred = logits.argmax(1)
     metrics, per_class = classification_metrics(logits, test.y, classes)
 

@@ -35,12 +35,11 @@ from stages.batches import (
     loader_batches,
     plan_batches,
     random_resized_crop,
-    resolve_loader,
     windows,
 )
 from stages.checkpoints import CheckpointError, save_checkpoint
 from stages.config import TrainConfig
-from stages.data import Split, in_batches, normalize, resolve_workers
+from stages.data import Split, in_batches, normalize, resolve_loader
 from stages.lib.errors import StageWarning, UserError
 from stages.metrics import EPOCH, epoch_line
 from stages.models import loss_fn
@@ -137,7 +136,7 @@ class Setup:
     pad: int  # augmentation: random-crop padding (0: off)
     hflip: bool
     crop: Crop | None  # the random-resized crop's ranges (None: off)
-    loader: str  # "device" or "workers"
+    loader: str  # train.loader, auto resolved
     plan: BatchPlan
     val: Iterable[Tensor]  # the validation split's batches, its workers kept across epochs
 
@@ -260,6 +259,7 @@ def set_up(job: Job) -> Setup:
     if overfit:
         keep = epoch_order(len(train_split.y), job.seed, 0)[:cfg.overfit_batches * job.batch_size]
         train_split = Split(train_split.x[keep], train_split.y[keep])
+        loader = "dataloader" if loader == "stream" else loader  # decoded now, kept as tensors
     plan = plan_batches(len(train_split.y), job.batch_size, job.world, cfg.accumulate)
     return Setup(job=job, device=device, precision=resolve_precision(cfg.precision, device),
                  fmt=fmt, mean=torch.tensor(job.mean, device=device),
@@ -267,7 +267,7 @@ def set_up(job: Job) -> Setup:
                  pad=0 if overfit else cfg.augment_crop_pad,
                  hflip=cfg.augment_hflip and not overfit,
                  crop=None if overfit else random_resized_crop(cfg), loader=loader, plan=plan,
-                 val=in_batches(job.val, max(job.batch_size, 256), resolve_workers(cfg.num_workers)))
+                 val=in_batches(job.val, max(job.batch_size, 256), cfg))
 
 
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
@@ -280,7 +280,7 @@ def batch_source(setup: Setup) -> Batches:
     args = (setup.train, setup.plan, setup.device, job.seed, setup.shuffle, job.rank, job.world)
     if setup.loader == "device":
         return device_batches(*args)
-    return loader_batches(*args, setup.cfg.num_workers, setup.crop)
+    return loader_batches(*args, setup.cfg.num_workers, setup.crop, streamed=setup.loader == "stream")
 
 
 def build_parts(model: nn.Module, setup: Setup) -> Parts:

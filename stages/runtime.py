@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from stages.config import ParamsError
-from stages.data import Split, in_batches, normalize
+from stages.data import normalize
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,16 +143,13 @@ def peak_mem_mb(device: torch.device) -> float:
 
 
 @torch.inference_mode()
-def predict(model: nn.Module, split: Split | Iterable[Tensor], mean: Tensor, std: Tensor, *,
-            device: torch.device, precision: str = "fp32", batch_size: int = 512,
-            channels_last: bool = False, workers: int = 0) -> Tensor:
-    """Logits (float32, on the CPU) for a whole split, in order: given as its `in_batches`
-    (kept by validation across epochs), or batched here, a sharded one decoded by `workers`
-    processes."""
+def predict(model: nn.Module, batches: Iterable[Tensor], mean: Tensor, std: Tensor, *,
+            device: torch.device, precision: str = "fp32", channels_last: bool = False) -> Tensor:
+    """Logits (float32, on the CPU) for a whole split, in order, from its `in_batches`."""
     model.eval()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     out = []
-    for x in in_batches(split, batch_size, workers) if isinstance(split, Split) else split:
+    for x in batches:
         x = x.to(device, non_blocking=True)
         x = normalize(x, mean, std).contiguous(memory_format=fmt)
         with autocast(device, precision):

@@ -224,7 +224,7 @@ def batches(variant: str, prepared: Path, raw: Path, batch: int, workers: int, s
     args = (split, plan, cpu, seed, True, 0, 1)
     # The stream's crop as imagefolder's (train.augment_crop_scale: [0.35, 1.0]).
     source = device_batches(*args) if variant == "tensors" else \
-        loader_batches(*args, workers, ((0.35, 1.0), (3 / 4, 4 / 3)))
+        loader_batches(*args, workers, ((0.35, 1.0), (3 / 4, 4 / 3)), streamed=True)
     for epoch in itertools.count():
         for x, y, idx in source(epoch):
             yield normalize(augment(x, idx, seed, epoch, 0, True), mean, std), y

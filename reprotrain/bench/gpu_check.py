@@ -150,7 +150,7 @@ def stream_rows(device: torch.device, dry: bool) -> list[dict]:
                                                        torch.device("cpu"))]
         for label, where in decoders[1:] if dry else decoders:
             batches = loader_batches(split, plan_batches(n, bs, 1, 1), where, 0, True, 0, 1,
-                                     workers)
+                                     workers, streamed=True)
             for epoch in range(2):
                 t = time.perf_counter()
                 for xb, *_ in batches(epoch):

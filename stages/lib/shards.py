@@ -293,9 +293,8 @@ def shard_fd(key: tuple[int, int], path: Path) -> int:
 
 
 class ShardImages:
-    """A split's images in its shards, indexed as its uint8 (N, C, H, W) tensor would be: x[i],
-    x[a:b] and x[indices] decode those samples (decode_image, at image_size). Memory holds the
-    index alone; a sample is one pread of its bytes."""
+    """A split's images in its shards (stages.data.Images), decoded as indexed (decode_image, at
+    image_size). Memory holds the index alone; a sample is one pread of its bytes."""
 
     dtype = torch.uint8
 
@@ -315,12 +314,6 @@ class ShardImages:
 
     def __len__(self) -> int:
         return len(self.index)
-
-    def numel(self) -> int:
-        return int(np.prod(self.shape))
-
-    def element_size(self) -> int:
-        return 1
 
     def labels(self) -> Tensor:
         return torch.from_numpy(self.index["label"].astype(np.int64))

@@ -16,7 +16,7 @@ from torch import nn
 
 from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
-from stages.data import Split
+from stages.data import Split, in_batches
 from stages.loop import Job, RunIO, train
 from stages.optim import EMA, build_optimizer
 from stages.runtime import predict
@@ -79,9 +79,9 @@ def test_validation_keeps_each_batch_when_the_model_reuses_its_output_memory(dig
     splits, meta = digits
     mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
     model = linear_model()
-    args = dict(device=torch.device("cpu"), batch_size=32)
-    assert torch.equal(predict(ReusesOutput(model), splits["val"], mean, std, **args),
-                       predict(model, splits["val"], mean, std, **args))
+    val, cpu = in_batches(splits["val"], 32, TrainConfig()), torch.device("cpu")
+    assert torch.equal(predict(ReusesOutput(model), val, mean, std, device=cpu),
+                       predict(model, val, mean, std, device=cpu))
 
 
 def test_ema_matches_torch_averaged_model_without_a_device_counter(digits):
@@ -227,7 +227,7 @@ STREAM_256 = """
 import resource, sys, torch
 from pathlib import Path
 from stages.batches import EncodedStream, EpochSampler
-from stages.data import Split
+from stages.data import Split, in_batches
 from stages.lib.shards import ShardImages
 
 limit = int(sys.argv[2])
