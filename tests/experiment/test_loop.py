@@ -14,6 +14,7 @@ from torch import nn
 from reprotrain import tracking
 from stages.checkpoints import latest_checkpoint
 from stages.config import TrainConfig
+from stages.data import Images, Split
 from stages.loop import NonFiniteLossError
 from stages.metrics import EPOCH, HISTORY, EpochMetric, epoch_line
 from stages.optim import Schedule
@@ -143,6 +144,39 @@ def test_overfit_mode_learns_its_batches(digits):
                  augment_crop_pad=1)
     assert result.history[-1]["train_acc"] >= 0.98
     assert result.history[-1]["train_loss"] < result.history[0]["train_loss"] / 5
+
+
+class ListImages:
+    """A format of its own: a list of (C, H, W) tensors, giving stages.data.Images and nothing
+    more (no Tensor method, no ShardImages one)."""
+    dtype = torch.uint8
+
+    def __init__(self, x: torch.Tensor):
+        self.images, self.shape = list(x.clone()), tuple(x.shape)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self.images[key]
+        picked = range(len(self))[key] if isinstance(key, slice) else key.tolist()
+        return torch.stack([self.images[i] for i in picked])
+
+
+@pytest.mark.parametrize("loader", ["auto", "device", "dataloader"])
+def test_a_format_giving_images_trains_as_tensors_do_through_the_loader_params_choose(digits,
+                                                                                      loader):
+    """A new format needs Images alone: the loader is train.loader's, not picked by its type."""
+    splits, meta = digits
+    small = dict(splits, train=Split(splits["train"].x[:256], splits["train"].y[:256]))
+    own = {name: Split(ListImages(s.x), s.y) for name, s in small.items()}
+    assert isinstance(own["train"].x, Images) and not isinstance(own["train"].x, torch.Tensor)
+    kw = dict(loader=loader, num_workers=0, augment_crop_pad=1, augment_hflip=True)
+    tensors, listed = fit(linear_model(), (small, meta), **kw), fit(linear_model(), (own, meta), **kw)
+    assert tensors.loader == listed.loader == ("device" if loader == "auto" else loader)
+    assert same_weights(tensors.model, listed.model) and not same_weights(listed.model, linear_model())
+    assert tensors.history[-1]["val_loss"] == listed.history[-1]["val_loss"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
