@@ -249,17 +249,17 @@ class Classifier:
         self.spec = read_spec(spec_path)
         self.run = onnx_runner(onnx_path, self.spec, TIMEOUT_S)
 
-    def __call__(self, model_input: list[str | bytes]) -> list[dict[str, Any]]:
+    def __call__(self, inputs: list[str | bytes]) -> list[dict[str, Any]]:
         """One record per image: `label`, its `probability`, and `probabilities` by class name."""
-        if not isinstance(model_input, list):
-            raise BadInput(f"inputs is a {type(model_input).__name__}, not a list; {FIX}")
-        if not model_input:
+        if not isinstance(inputs, list):
+            raise BadInput(f"inputs is a {type(inputs).__name__}, not a list; {FIX}")
+        if not inputs:
             raise BadInput(f"no images: inputs is an empty list; {FIX}")
-        if len(model_input) > MAX_IMAGES:
-            raise BadInput(f"{len(model_input)} images in one request, over {MAX_IMAGES} "
+        if len(inputs) > MAX_IMAGES:
+            raise BadInput(f"{len(inputs)} images in one request, over {MAX_IMAGES} "
                            f"(MAX_IMAGES in {HERE}); send them in smaller batches")
         channels, size, _ = self.spec["input_shape"]
-        files = [image_bytes(item, i) for i, item in enumerate(model_input)]
+        files = [image_bytes(item, i) for i, item in enumerate(inputs)]
         total = 0
         for i, data in enumerate(files):  # every header first: a refusal decodes nothing
             total += pixels(data, i)
@@ -278,12 +278,11 @@ class Classifier:
                                f"{FIX}") from None
         x = model_input(images, self.spec)
         probs = probabilities(self.run(x), len(x), self.spec, str(self.onnx_path),
-                                     self.spec_path)
+                              self.spec_path)
         classes = self.spec["classes"]
         out = []
         for p, image, xi, data in zip(probs, images, x, files, strict=True):
-            warning = unlike_training(image, xi, self.spec,
-                                                channels == 1 and has_colour(data))
+            warning = unlike_training(image, xi, self.spec, channels == 1 and has_colour(data))
             out.append({"label": classes[p.argmax()], "probability": float(p.max()),
                         "probabilities": dict(zip(classes, map(float, p), strict=True))}
                        | ({"warning": warning} if warning else {}))
