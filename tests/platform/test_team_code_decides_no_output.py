@@ -130,13 +130,12 @@ def edited(repo: Path, files: list[str]) -> str:
 
 
 def team_modules(repo: Path) -> list[str]:
-    """Every module of the team's packages, whatever their split into submodules is now."""
-    return sorted(p.relative_to(repo).as_posix() for package in
-                  ("tracking", "sweep", "serving", "team", "bench")
-                  for p in (repo / "stages" / package).rglob("*.py"))
+    """Every module of the platform, reprotrain/ (the team's packages, the warm process and
+    their helpers), whatever its split into submodules is now."""
+    return sorted(p.relative_to(repo).as_posix() for p in (repo / "reprotrain").rglob("*.py"))
 
 
-# What `make sync`, the sweep, the server and serving run; then all five packages at once.
+# What `make sync`, the sweep, the server and serving run; then all of reprotrain/ at once.
 TEAM_EDITS = {"sync": ["reprotrain/tracking/sync.py"], "sweep": ["reprotrain/sweep/__main__.py"],
               "server": ["reprotrain/team/server.py"], "serving": ["reprotrain/serving/app.py"],
               "every team module": []}
