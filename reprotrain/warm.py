@@ -385,8 +385,8 @@ def serve(path: Path) -> None:
     from filelock import FileLock, Timeout
 
     # Held until this process exits. A child forked below holds none of it: filelock's at-fork
-    # hook closes the lock's descriptor in the child (tests/test_warm.py checks it), which a stage
-    # that outlived this process would otherwise keep locked, and no second one could start.
+    # hook closes the lock's descriptor in the child (tests/platform/test_warm.py checks it),
+    # which a stage that outlived this process would keep locked: no second one could start.
     lock = FileLock(path.with_suffix(".lock"), mode=0o600)  # opened O_NOFOLLOW, as flock
     try:
         lock.acquire(blocking=False)

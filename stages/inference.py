@@ -296,8 +296,8 @@ FILES = ("model.onnx", "model.json")
 # model's requirements.txt, which a container built from it installs.
 REQUIREMENTS = ("mlflow", "onnxruntime", "pillow", "numpy", "omegaconf")
 # The modules of stages/ it imports, transitively, and the two that config reads as text (the
-# registries of models and sources): tests/platform/test_serving.py checks the list against the import graph
-# and loads a saved model away from the checkout.
+# registries of models and sources): tests/test_layout.py checks the list against the import graph,
+# tests/platform/test_serving.py loads a saved model away from the checkout.
 PACKAGE = ("__init__.py", "config.py", "inference.py", "models.py", "sources.py", "lib/__init__.py",
            "lib/errors.py", "lib/images.py", "lib/paths.py", "lib/strict_yaml.py")
 STAGES = SERVED_MODEL.parent
