@@ -161,7 +161,7 @@ exps: setup ## experiments side by side, 120 columns: lr, epochs, batch_size, he
 		| { command -v column > /dev/null && column -t -s, || cat; }
 
 lint: setup ## ruff
-	ruff check stages tests
+	ruff check stages reprotrain tests
 
 bench: setup ## the loop ablation benchmark, side by side
 	$(PY) -m reprotrain.bench.training
