@@ -18,7 +18,7 @@ from torch import Tensor
 
 from stages.config import TrainConfig
 from stages.lib import shards
-from stages.lib.errors import UserError
+from stages.lib.errors import KILLED_WORKER, UserError
 from stages.lib.files import atomic_write_all, json_text, text_writer, torch_writer
 
 SPLITS = ("train", "val", "test")
@@ -156,6 +156,13 @@ def from_workers(loader: torch.utils.data.DataLoader) -> Iterator:
                             "stuck or lost a batch (its error, if any, is above; `ulimit -n` too "
                             "low shows as 'Too many open files'); rerun, and training resumes "
                             "from its last checkpoint") from None
+        if isinstance(e, EOFError | ConnectionError):
+            # A worker killed as it handed a batch over: the batch's shared memory comes through
+            # a connection to that worker, which broke before torch's own word for the death
+            # (its SIGCHLD handler's error, raised wherever this process was, even inside a
+            # tracking call that took it for its own failure).
+            raise UserError(f"a DataLoader worker died handing a batch over ({type(e).__name__}); "
+                            f"{KILLED_WORKER}") from None
         raise
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stages.lib.errors import StageWarning, UserError
+from stages.lib.errors import KILLED_WORKER, StageWarning, UserError
 
 # Where a stage's time goes, for `python -m reprotrain.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
@@ -92,9 +92,7 @@ def run_stage(main: Callable[[], None]) -> None:
         # its SIGCHLD came (in the model's forward as often as in the loader).
         if not str(e).startswith("DataLoader worker (pid"):
             raise
-        sys.exit(f"error: {str(e).strip().rstrip('.')}; a worker killed by SIGKILL is most "
-                 "often the kernel's out-of-memory killer (see `dmesg`): lower train.num_workers "
-                 "or batch_size, then rerun; training resumes from its last checkpoint")
+        sys.exit(f"error: {str(e).strip().rstrip('.')}; {KILLED_WORKER}")
     except OSError as e:
         from stages.lib.files import WRITE_ERRORS
 

@@ -10,3 +10,9 @@ class UserError(Exception):
 class StageWarning(UserWarning):
     """A problem the stage works around: one `warning:` line in a stage (`run_stage`), where
     Python's form adds the file, the line and its source."""
+
+
+# What to do about a DataLoader worker that died, after the line that says how it was seen.
+KILLED_WORKER = ("a worker killed by SIGKILL is most often the kernel's out-of-memory killer (see "
+                 "`dmesg`): lower train.num_workers or batch_size, then rerun; training resumes "
+                 "from its last checkpoint")
