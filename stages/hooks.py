@@ -1,5 +1,6 @@
 """Where the platform reaches into a run: the experiment's two hooks, so that nothing here
-imports the platform's sweeps, servers or team tools (docs/code-map.md).
+imports the platform's sweeps, servers or team tools (docs/code-map.md; the third arrow is
+stages/__init__.py's one line, the hand-off to the warm process).
 
 - The tracker the stages log to: `reprotrain.tracking` (train, evaluate, export import it).
 - Epoch reporting, below: a sweep (reprotrain/sweep/trial.py) names a callable in the

@@ -212,8 +212,8 @@ def draw(edges: dict[str, set[str]], out: Path, title: str) -> None:
                 bbox={"boxstyle": "round", "fc": colours.get(package(m), "white"), "ec": "#333"})
     s = summary(edges)
     ax.set_title(f"{title}: {s['modules']} modules ({s['experiment']} of the experiment, stages/, "
-                 f"{s['top_level_modules']} at its top; {s['platform']} of the platform, "
-                 f"reprotrain/), {s['layers']} layers, {s['imports']} imports, "
+                 f"{s['top_level_modules']} at its top; {s['platform']} of the platform), "
+                 f"{s['layers']} layers, {s['imports']} imports, "
                  f"{s['experiment_to_platform']} from the experiment to the platform (red), "
                  f"{s['cycles']} cycles\nrows are layers: a module imports only modules below "
                  "it; white = the experiment (its lib/ in a colour), a colour per package of the platform",

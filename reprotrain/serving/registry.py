@@ -22,8 +22,6 @@ from stages.config import load_params
 from stages.inference import FILES, model_kwargs, package_copy, quiet_type_hints
 from stages.lib.errors import UserError
 
-# Downloads of two small files need no progress bars in the output.
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 def champion_files(name: str, dest: Path, alias: str = "champion") -> tuple[int, Path, str]:
     """The version number `alias` points at, its model.onnx and model.json downloaded to

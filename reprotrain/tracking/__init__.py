@@ -32,6 +32,7 @@ imported on first use: `make sync` and the server import this package, and runs.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
     )
     from reprotrain.tracking.stores import reason, refusal, tracking_uri
     from reprotrain.tracking.tracker import Tracker
+
+# MLflow's downloads here (export's input example, `make serve`'s two files) are small: no
+# progress bars in a stage's or a command's output.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 __all__ = ["EXPERIMENT_TAGS", "PARENT_RUN_ENV", "Tracker", "experiment_run", "experiment_url",
            "git_commit", "link_model", "metric_name", "model_task", "reason", "refusal",
