@@ -24,7 +24,11 @@ help: ## list the targets
 # Python's .venv (its pip fails on the lock) is never reused.
 PYTHON ?= python3
 version = $$(PATH='$(USER_PATH)' $(1) --version 2>&1 | awk '/^Python /{print $$2}' || true)
-$(STAMP): requirements.lock
+# The stamp holds the hash of what it installed, not a time: a fresh clone sharing this .venv (a
+# CI runner's, a second checkout's) has newer files and the same lock, and installs nothing.
+# (cksum: POSIX, on macOS too; a checksum and a length, enough to see a change)
+LOCKED := $(shell cksum < requirements.lock | tr ' ' -)
+$(STAMP): $(if $(filter $(LOCKED),$(shell cat $(STAMP) 2>/dev/null)),,FORCE)
 	@v=$(call version,$(PYTHON)); printf '3.11\n%s\n' "$$v" | sort -VC || { echo "error: Python \
 	>= 3.11 needed, but $(PYTHON) is $${v:-not found} ($$(PATH='$(USER_PATH)'; command -v $(PYTHON) \
 	|| echo not on PATH)); pick another: make PYTHON=python3.11" >&2; exit 1; }
@@ -38,8 +42,9 @@ $(STAMP): requirements.lock
 		| $(PY) -m reprotrain.pip_progress --total $$(grep -c '^[a-zA-Z0-9].*==' requirements.lock)
 	$(if $(wildcard pyproject.toml),$(PY) -m pip install --quiet --no-deps --no-build-isolation \
 		--no-index --editable .)
-	touch $(STAMP)
+	@echo $(LOCKED) > $(STAMP)
 
+FORCE:
 setup: $(STAMP) ## create .venv and install exactly requirements.lock (only when it changed)
 
 # Resolved for Linux x86_64 and Python 3.11, the platform the lock installs on, under the

@@ -51,7 +51,7 @@ def dvc_repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("dvc_repo")
     for name in ("Makefile", "requirements.lock", ".dvc/config"):
         (repo / name).parent.mkdir(exist_ok=True)
-        shutil.copy2(ROOT / name, repo / name)  # copy2: the venv's stamp stays newer than the lock
+        shutil.copy2(ROOT / name, repo / name)  # the lock as installed: make installs nothing
     shutil.copytree(ROOT / "stages", repo / "stages", ignore=shutil.ignore_patterns("__pycache__"))
     copy_params(repo)  # make repro and make verify check it before DVC reads it
     (repo / "dvc.yaml").write_text(THREADS_STAGE)
@@ -263,7 +263,7 @@ def test_make_exps_keeps_earlier_commits_experiments_and_shows_no_hashes(tmp_pat
     repo = tmp_path / "repo"
     for name in ("Makefile", "requirements.lock", ".dvc/config"):
         (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, repo / name)  # copy2: the venv's stamp stays newer than the lock
+        shutil.copy2(ROOT / name, repo / name)  # the lock as installed: make installs nothing
     copy_params(repo)
     (repo / "dvc.yaml").write_text(EXPS_STAGE)
     (repo / "data/raw/digits").mkdir(parents=True)
@@ -327,6 +327,21 @@ def test_make_refuses_a_wrong_python_and_never_reuses_its_venv(tmp_path):
     made = run([str(work / ".venv/bin/python"), "--version"], work).stdout
     assert made.startswith(f"Python {sys.version_info.major}.{sys.version_info.minor}.")
     assert (work / ".venv/.installed").exists()
+
+
+def test_a_clone_sharing_the_venv_installs_nothing_until_its_lock_changes(tmp_path):
+    """A CI runner's or a second checkout's fresh files with .venv linked in: newer than the
+    stamp, the same lock, nothing to install. A reinstall would point the venv's editable
+    install at that clone and change site-packages under every warm process's key. Dry runs:
+    the tests' venv is never touched."""
+    for name in ("Makefile", "requirements.lock"):
+        shutil.copy(ROOT / name, tmp_path / name)  # files as new as a fresh clone's
+    (tmp_path / ".venv").symlink_to(VENV_BIN.parent)
+    assert run(["make", "-s", "-n", "setup"], tmp_path).stdout == ""
+    with open(tmp_path / "requirements.lock", "a") as lock:
+        lock.write("# a change\n")
+    planned = run(["make", "-s", "-n", "setup"], tmp_path).stdout
+    assert "pip install --progress-bar off --require-hashes" in planned, planned
 
 
 def test_make_clean_removes_scratch_and_keeps_runs_data_and_models(tmp_path):

@@ -69,7 +69,7 @@ def champion(tmp_path_factory, digits, registry):
     the server. The workspace has the Makefile, to run `make serve` in it as a user does."""
     w = tmp_path_factory.mktemp("serve")
     copy_params(w)
-    for name in ("Makefile", "requirements.lock"):  # copy2: the lock stays older than the venv
+    for name in ("Makefile", "requirements.lock"):  # the lock as installed: nothing to install
         shutil.copy2(ROOT / name, w / name)
     set_params(w / "params.yaml", {"epochs": "2", "model.width": "8", "export.register_as": NAME})
     save_prepared(w / "data/prepared", *digits)

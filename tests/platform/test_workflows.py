@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run
         (work / ".venv").symlink_to(VENV_BIN.parent)  # the locked environment, installed once
         return run_job(job, work, context, path)
 
+    site = Path(sysconfig.get_paths()["purelib"])
+    installed = site.stat().st_mtime_ns
     summary, first = fresh_run("first", job)
     assert "## Params: workspace vs ci-main" in summary
     lr_row = next(ln for ln in summary.splitlines() if re.match(r"\|\s*params.yaml\s*\|\s*lr\s", ln))
@@ -154,6 +157,8 @@ def test_pipeline_workflow_reports_the_pr_against_main_and_reuses_the_remote_run
     for clone in (tmp_path / "first", tmp_path / "second"):
         for f in (f for f in clone.rglob("*") if f.is_file() and not f.is_symlink()):
             assert s3.secret_key.encode() not in f.read_bytes(), f
+    # The runners shared the installed venv and installed nothing into it (the lock unchanged).
+    assert site.stat().st_mtime_ns == installed
     pipeline_s = [sum(v["s"] for k, v in r.items() if "pipeline" in k) for r in (first, second)]
     print(f"\npipeline steps: {pipeline_s[0]:.1f} s trained, {pipeline_s[1]:.1f} s restored "
           f"from the remote's run-cache\n--- job summary ---\n{summary}")
