@@ -32,7 +32,7 @@ from reprotrain.tracking.stores import (
     spool_uri,
 )
 from stages.lib.cli import timed
-from stages.lib.errors import StageWarning
+from stages.lib.errors import StageWarning, worker_died
 
 # The async logging thread otherwise polls its queue with a 1 s timeout, and every flush (each
 # epoch, the end of the run, set_terminated) waits out that poll: 1.8 s of train's time at the
@@ -86,6 +86,8 @@ class Tracker:
             with timed("tracking_s"):
                 return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
+            if worker_died(e):  # raised here by torch's signal handler: training's, not ours
+                raise
             if self.switch_to_spool(e):
                 return self.call(fn, *args, **kwargs)
             self.enabled = False
@@ -181,6 +183,8 @@ class Tracker:
                 mlflow.log_metrics(named, step=step, timestamp=ts)
             return
         except Exception as e:  # noqa: BLE001 - a server gone: the spool; a store down: warn
+            if worker_died(e):
+                raise
             if self.switch_to_spool(e) or not isinstance(e, MlflowException):
                 self.call(mlflow.log_metrics, named, step=step, timestamp=ts)
                 return

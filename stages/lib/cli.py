@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stages.lib.errors import KILLED_WORKER, StageWarning, UserError
+from stages.lib.errors import KILLED_WORKER, StageWarning, UserError, worker_died
 
 # Where a stage's time goes, for `python -m reprotrain.bench.training --pipeline`: seconds in MLflow calls
 # (imports included) and in the training loop; the rest of `main` is the stage's own work.
@@ -88,9 +88,7 @@ def run_stage(main: Callable[[], None]) -> None:
               file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except RuntimeError as e:
-        # torch's word for a DataLoader worker that died, raised wherever this process was when
-        # its SIGCHLD came (in the model's forward as often as in the loader).
-        if not str(e).startswith("DataLoader worker (pid"):
+        if not worker_died(e):
             raise
         sys.exit(f"error: {str(e).strip().rstrip('.')}; {KILLED_WORKER}")
     except OSError as e:

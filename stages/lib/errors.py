@@ -16,3 +16,10 @@ class StageWarning(UserWarning):
 KILLED_WORKER = ("a worker killed by SIGKILL is most often the kernel's out-of-memory killer (see "
                  "`dmesg`): lower train.num_workers or batch_size, then rerun; training resumes "
                  "from its last checkpoint")
+
+
+def worker_died(e: BaseException) -> bool:
+    """Whether `e` is torch's word for a DataLoader worker that died: its SIGCHLD handler raises
+    it wherever the training process is (in the model's forward, in a tracking call), so no
+    handler of what was running there may take it for its own failure."""
+    return isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker (pid")

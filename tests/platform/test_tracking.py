@@ -135,6 +135,33 @@ def test_two_processes_log_to_one_new_sqlite_store_at_once(tmp_path, digits):
         assert steps == 3 * 20  # every step of 3 epochs x 20 steps, none lost
 
 
+class DiesAtOnce(torch.utils.data.Dataset):
+    """A DataLoader worker killed as it starts, as by the kernel's out-of-memory killer."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_workers_death_inside_a_tracking_call_is_the_workers_error(mlflow_uri, monkeypatch):
+    """torch's SIGCHLD handler raises a dead worker's error wherever training is. Inside a
+    tracking call it once became "MLflow logging failed", and tracking went off for the run."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    loader = torch.utils.data.DataLoader(DiesAtOnce(), num_workers=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with tracking.start_run(MlflowConfig(experiment="worker-death")) as run:
+            with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid \d+\) is killed by "
+                                                   r"signal: Killed"):
+                run.call(lambda: (iter(loader), time.sleep(60)))
+            assert run.enabled
+            run.log_metrics({"after": 1.0})
+    assert [str(w.message) for w in said if "MLflow" in str(w.message)] == []
+    assert mlflow.MlflowClient(mlflow_uri).get_run(run.run_id).data.metrics == {"after": 1.0}
+
+
 def test_a_failing_stage_leaves_dvc_lock_and_marks_the_run_failed(tmp_path):
     repo = copy_repo(tmp_path / "repo", {"epochs": "2"})
     env = env_with()
