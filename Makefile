@@ -27,7 +27,7 @@ version = $$(PATH='$(USER_PATH)' $(1) --version 2>&1 | awk '/^Python /{print $$2
 # The stamp holds the hash of what it installed, not a time: a fresh clone sharing this .venv (a
 # CI runner's, a second checkout's) has newer files and the same lock, and installs nothing.
 # (cksum: POSIX, on macOS too; a checksum and a length, enough to see a change)
-LOCKED := $(shell cksum < requirements.lock | tr ' ' -)
+LOCKED := $(shell cat requirements.lock 2>/dev/null | cksum | tr ' ' -)
 $(STAMP): $(if $(filter $(LOCKED),$(shell cat $(STAMP) 2>/dev/null)),,FORCE)
 	@v=$(call version,$(PYTHON)); printf '3.11\n%s\n' "$$v" | sort -VC || { echo "error: Python \
 	>= 3.11 needed, but $(PYTHON) is $${v:-not found} ($$(PATH='$(USER_PATH)'; command -v $(PYTHON) \
