@@ -291,9 +291,9 @@ def test_make_refuses_a_billion_laughs_before_dvc_expands_it(tmp_path, target):
     minutes): `make repro` and `make verify` check it first. The timeout fails the test where
     DVC gets the file."""
     for name in ("Makefile", "requirements.lock", "dvc.yaml"):
-        shutil.copy2(ROOT / name, tmp_path / name)  # copy2: the venv's stamp stays the newer
+        shutil.copy2(ROOT / name, tmp_path / name)  # the lock as installed: make installs nothing
     run(["dvc", "init", "-q", "--no-scm"], tmp_path)
-    with_params(tmp_path, LAUGHS + (ROOT / "params.yaml").read_text())
+    with_params(tmp_path, LAUGHS + committed("params.yaml").decode())
     t = time.perf_counter()
     # timeout kills make's whole process group: a DVC that got the file would spin on.
     p = run(["timeout", "-s", "KILL", "30", "make", "-s", target, f"VENV={sys.prefix}"], tmp_path,
@@ -315,7 +315,7 @@ def test_yaml_too_deep_recursive_or_too_large_is_refused(tmp_path, text, expecte
 
 
 def test_aliases_within_bounds_still_load(tmp_path):
-    text = (ROOT / "params.yaml").read_text().replace("  accumulate: 1\n", "  accumulate: &one 1\n")
+    text = committed("params.yaml").decode().replace("  accumulate: 1\n", "  accumulate: &one 1\n")
     text = text.replace("  - 1\n  - 7\n", "  - *one\n  - 7\n")
     assert load_params(with_params(tmp_path, text) / "params.yaml").export.check_batch_sizes == [1, 7]
 
@@ -344,7 +344,7 @@ def test_an_environment_variable_never_reaches_mlflow(tmp_path):
     ("width: 32", "width: ${oc.env:W", "model.width='${oc.env:W'"),  # unclosed: OmegaConf can't parse
 ])
 def test_every_omegaconf_expression_is_refused_naming_the_key(tmp_path, line, edited, expected):
-    text = (ROOT / "params.yaml").read_text()
+    text = committed("params.yaml").decode()
     assert text.count(line) == 1
     with pytest.raises(ParamsError, match=re.escape(expected)) as err:
         load_params(with_params(tmp_path, text.replace(line, edited)) / "params.yaml")
