@@ -34,7 +34,7 @@ $(STAMP): $(if $(filter $(LOCKED),$(shell cat $(STAMP) 2>/dev/null)),,FORCE)
 	|| echo not on PATH)); pick another: make PYTHON=python3.11" >&2; exit 1; }
 	@v=$(call version,$(PY)); printf '3.11\n%s\n' "$$v" | sort -VC \
 		|| PATH='$(USER_PATH)' $(PYTHON) -m venv --clear $(VENV)
-	@echo "installing requirements.lock into $(VENV): 6.5 GB, 6 to 10 minutes the first time, more" \
+	@echo "installing requirements.lock into $(VENV): 7 GB, 6 to 10 minutes the first time, more" \
 		"on a busy machine (torch's CUDA libraries; docs/install.md)"
 	@# A numbered line per package as pip takes it, a line for each 30 s pip stays silent, a
 	@# count at the end (reprotrain/pip_progress.py: standard library, runs before anything is installed).
