@@ -162,7 +162,7 @@ def error_lines(p: subprocess.CompletedProcess) -> list[str]:
 
 def test_a_wrong_or_missing_key_fails_and_make_share_says_so_naming_the_remote(team, tmp_path):
     repo = tmp_path / "repo"
-    shutil.copytree(team.repo, repo, symlinks=True)  # copy2: the venv's stamp stays newer
+    shutil.copytree(team.repo, repo, symlinks=True)
     run(["dvc", "remote", "modify", "--local", "team", "secret_access_key", "not-the-secret"], repo)
     env = s3_client_env(tmp_path)
     before = {f: (repo / f).read_bytes() for f in ("dvc.lock", ".dvc/config")}
